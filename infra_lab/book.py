@@ -46,8 +46,9 @@ def tidy(path: Path, url: str, write: bool = True) -> bool:
     before = notebooks.dumps(notebook)
     cell = first_code_cell(notebook)
     if cell is None or not cell.source.startswith(SETUP_MARK):
+        at = notebook.cells.index(cell) if cell is not None else len(notebook.cells)
         cell = nbformat.v4.new_code_cell("")
-        notebook.cells.insert(0, cell)
+        notebook.cells.insert(at, cell)
     cell.source = setup_cell_source(url)
     notebooks.strip_outputs(notebook)
     after = notebooks.dumps(notebook)

@@ -67,7 +67,8 @@ def plan_for(assignment: nbformat.NotebookNode, submission: nbformat.NotebookNod
     return cells, missing
 
 
-def _run_plan(cells: list[dict], limits: Limits) -> list[dict]:
+def _run_plan(cells: list[dict], limits: Limits) -> tuple[list[dict], bool]:
+    """Run the cells in a fresh process; return its reports and whether time ran out."""
     with tempfile.TemporaryDirectory(prefix="infra-lab-grade-") as workdir:
         plan_path, results_path = Path(workdir, "plan.json"), Path(workdir, "results.jsonl")
         plan_path.write_text(json.dumps({"cells": cells, "cell_timeout_s": limits.cell_timeout_s,
@@ -80,12 +81,24 @@ def _run_plan(cells: list[dict], limits: Limits) -> list[dict]:
             cwd=workdir, env=environment, stdin=subprocess.DEVNULL, stdout=quiet, stderr=quiet,
             start_new_session=True,
         )
+        timed_out = False
         try:
             process.wait(timeout=limits.submission_timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+            timed_out = True
+        finally:  # also reaps anything the student's code left running in the group
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             process.wait()
-        return [json.loads(line) for line in results_path.read_text().splitlines() if line]
+        reports = []
+        for line in results_path.read_text(errors="replace").splitlines():
+            try:  # a line cut off by the kill is dropped
+                reports.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+        return reports, timed_out
 
 
 def grade_one(assignment: nbformat.NotebookNode, submission_path: Path, limits: Limits) -> list[Row]:
@@ -95,17 +108,19 @@ def grade_one(assignment: nbformat.NotebookNode, submission_path: Path, limits: 
     except notebooks.NotANotebook:
         return [Row(str(submission_path), name, 0, 0, 0.0, "missing") for name in wanted]
     cells, missing = plan_for(assignment, submission)
-    reports = _run_plan(cells, limits)
+    reports, timed_out = _run_plan(cells, limits)
+    # never reached, or begun and cut off: the time ran out, or the process died
+    unfinished = "timeout" if timed_out else "error"
     outcome: dict[str, dict] = {}
     for report in reports:
         if "exercise" in report:
             outcome[report["exercise"]] = report
     rows = []
     for name, exercise in wanted.items():
-        report = outcome.get(name, {"status": "timeout"})  # never reached: time ran out
+        report = outcome.get(name, {"status": unfinished})
         status = "missing" if name in missing else report["status"]
-        if status == "started":  # began, then the process was killed
-            status = "timeout"
+        if status == "started":
+            status = unfinished
         passed, total = int(report.get("passed", 0)), int(report.get("total", 0))
         points = round(exercise.points * passed / total, 4) if status == "ok" and total else 0.0
         rows.append(Row(str(submission_path), name, passed, total, points, status))
