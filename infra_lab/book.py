@@ -50,6 +50,7 @@ def tidy(path: Path, url: str, write: bool = True) -> bool:
         cell = nbformat.v4.new_code_cell("")
         notebook.cells.insert(at, cell)
     cell.source = setup_cell_source(url)
+    notebooks.stamp(notebook)
     notebooks.strip_outputs(notebook)
     after = notebooks.dumps(notebook)
     if write and after != before:

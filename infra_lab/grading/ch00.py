@@ -14,7 +14,8 @@ def _decode_case(rng: np.random.Generator) -> tuple:
 
 def _latency_case(rng: np.random.Generator) -> tuple:
     arrival = float(rng.uniform(0, 100))
-    gaps = rng.exponential(0.03, size=int(rng.integers(1, 40)))
+    n_tokens = 1 if rng.random() < 0.25 else int(rng.integers(2, 40))  # one-token answers too
+    gaps = rng.exponential(0.03, size=n_tokens)
     gaps[0] += rng.uniform(0.05, 2.0)  # queueing plus prefill before the first token
     return arrival, [float(t) for t in arrival + np.cumsum(gaps)]
 

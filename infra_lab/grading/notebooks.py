@@ -129,19 +129,24 @@ def strip_outputs(notebook: nbformat.NotebookNode) -> None:
             cell.execution_count = None
 
 
+def stamp(notebook: nbformat.NotebookNode) -> None:
+    """Write each exercise and check cell's role into its metadata, so the grader still finds
+    a student's cell after they edit its neighbours."""
+    for exercise in exercises(notebook).values():
+        notebook.cells[exercise.solution_index].metadata[METADATA_KEY] = {
+            "exercise": exercise.name, "points": exercise.points}
+        if exercise.check_index is not None:
+            notebook.cells[exercise.check_index].metadata[METADATA_KEY] = {"check": exercise.name}
+
+
 def to_assignment(solution: nbformat.NotebookNode) -> nbformat.NotebookNode:
     """The student notebook for a solution notebook."""
     student = nbformat.from_dict(solution)
-    by_index = {ex.solution_index: ex for ex in exercises(solution).values()}
-    for index, cell in enumerate(student.cells):
-        name = check_name(cell)
-        if name:
-            cell.metadata[METADATA_KEY] = {"check": name}
-        if index in by_index:
-            exercise = by_index[index]
-            if BEGIN in cell.source:
-                cell.source = _stub_region(cell.source, exercise.name)
-            cell.metadata[METADATA_KEY] = {"exercise": exercise.name, "points": exercise.points}
+    stamp(student)
+    for exercise in exercises(student).values():
+        cell = student.cells[exercise.solution_index]
+        if BEGIN in cell.source:
+            cell.source = _stub_region(cell.source, exercise.name)
     strip_outputs(student)
     return student
 

@@ -1,0 +1,85 @@
+import pytest
+
+from infra_lab import backend
+
+
+@pytest.fixture(autouse=True)
+def fresh_backend(monkeypatch):
+    monkeypatch.delenv("INFRA_LAB_BACKEND", raising=False)
+    monkeypatch.delenv("INFRA_LAB_DEVICE", raising=False)
+    monkeypatch.setattr(backend, "_current", None)
+
+
+def test_default_is_numba_on_a_cpu_only_machine(monkeypatch):
+    monkeypatch.setattr(backend, "_torch_has_cuda", lambda: False)
+    assert backend.current() == backend.Backend("numba", "cpu")
+
+
+def test_default_is_torch_on_cuda_when_a_gpu_is_visible(monkeypatch):
+    monkeypatch.setattr(backend, "_torch_has_cuda", lambda: True)
+    assert backend.current() == backend.Backend("torch", "cuda")
+
+
+@pytest.mark.parametrize("name", ["numba", "torch", "numpy"])
+def test_environment_forces_a_backend(monkeypatch, name):
+    monkeypatch.setenv("INFRA_LAB_BACKEND", name)
+    assert backend.current() == backend.Backend(name, "cpu")
+
+
+def test_environment_with_a_bad_name_names_the_choices(monkeypatch):
+    monkeypatch.setenv("INFRA_LAB_BACKEND", "jax")
+    with pytest.raises(ValueError, match=r"INFRA_LAB_BACKEND='jax'.*numba, torch, numpy"):
+        backend.current()
+
+
+def test_torch_missing_names_what_is_available(monkeypatch):
+    real = backend._installed
+    monkeypatch.setattr(backend, "_installed", lambda module: module != "torch" and real(module))
+    with pytest.raises(backend.BackendUnavailable, match=r"'torch' is not installed.*numba \(cpu\), numpy \(cpu\)"):
+        backend.use("torch")
+
+
+def test_cuda_without_a_gpu_names_what_is_available(monkeypatch):
+    monkeypatch.setattr(backend, "_torch_has_cuda", lambda: False)
+    with pytest.raises(backend.BackendUnavailable, match=r"cannot use device 'cuda'.*available: numba \(cpu\), torch \(cpu\)"):
+        backend.use("torch", "cuda")
+    with pytest.raises(backend.BackendUnavailable):
+        backend.use(device="cuda")
+
+
+def test_numba_cannot_run_on_cuda(monkeypatch):
+    monkeypatch.setattr(backend, "_torch_has_cuda", lambda: True)
+    with pytest.raises(backend.BackendUnavailable, match="'numba' cannot use device 'cuda'"):
+        backend.use("numba", "cuda")
+
+
+def test_a_failed_use_keeps_the_current_backend():
+    backend.use("numpy")
+    with pytest.raises(ValueError, match="unknown backend 'cupy'"):
+        backend.use("cupy")
+    with pytest.raises(ValueError, match="unknown device 'tpu'"):
+        backend.use("torch", "tpu")
+    assert backend.current().name == "numpy"
+
+
+def test_using_restores_the_backend_after_the_block():
+    backend.use("numba")
+    with backend.using("numpy") as inside:
+        assert inside.name == backend.current().name == "numpy"
+    assert backend.current().name == "numba"
+
+
+def test_pick_chooses_the_face_and_reports_a_missing_one():
+    faces = {"numpy": "np-face", "numba": "nb-face"}
+    assert backend.pick(faces, backend.Backend("numba", "cpu")) == "nb-face"
+    with pytest.raises(backend.BackendUnavailable, match="no 'torch' face; it has numpy, numba"):
+        backend.pick(faces, backend.Backend("torch", "cpu"))
+
+
+def test_describe_says_backend_device_threads_and_versions(monkeypatch):
+    monkeypatch.setattr(backend, "_torch_has_cuda", lambda: False)
+    text = backend.describe()
+    assert text.startswith("infra_lab backend: numba on cpu")
+    for piece in ("threads", "python", "numpy", "numba", "torch"):
+        assert piece in text
+    assert "\n" not in text

@@ -1,0 +1,171 @@
+"""The grader on whole notebooks: full marks, zero, tampering, crashes, hangs and floods."""
+import csv
+import subprocess
+import sys
+
+import nbformat
+import pytest
+
+from infra_lab.grading import grade, notebooks
+
+pytestmark = pytest.mark.grader
+EXERCISES = ["ch00.decode_intensity", "ch00.ttft_tpot", "ch00.idle_fraction"]
+FAST = grade.Limits(submission_timeout_s=60, cell_timeout_s=3)
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    return root / "exercises" / "ch00_stack.ipynb", root / "solutions" / "ch00_stack.ipynb", \
+        tmp_path_factory.mktemp("submissions")
+
+
+def submission(base, folder, name, answers=None, check_source=None, check_output=None):
+    """A copy of `base` with some exercise cells' code and check cells replaced."""
+    notebook = notebooks.read(base)
+    found = notebooks.exercises(notebook)
+    for exercise, code in (answers or {}).items():
+        notebook.cells[found[exercise].solution_index].source = code
+    for exercise in found.values():
+        cell = notebook.cells[exercise.check_index]
+        if check_source is not None:
+            cell.source = check_source.format(name=exercise.name)
+        if check_output is not None:
+            cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=check_output.format(name=exercise.name))]
+    path = folder / f"{name}.ipynb"
+    notebooks.write(notebook, path)
+    return path
+
+
+def scores(rows):
+    return {row.exercise: (row.status, row.passed, row.points) for row in rows}
+
+
+def test_solutions_score_full_marks(paths):
+    assignment, solutions, _ = paths
+    rows = grade.grade_one(notebooks.read(assignment), solutions, FAST)
+    assert scores(rows) == {name: ("ok", 24, 1.0) for name in EXERCISES}
+
+
+def test_fresh_exercises_score_zero(paths):
+    assignment, _, _ = paths
+    rows = grade.grade_one(notebooks.read(assignment), assignment, FAST)
+    assert scores(rows) == {name: ("ok", 0, 0.0) for name in EXERCISES}
+
+
+def test_tampered_check_cells_score_as_if_untouched(paths):
+    assignment, solutions, folder = paths
+    fake = 'print("PASS {name} 24/24")'
+    unsolved = submission(assignment, folder, "unsolved_fake_checks", check_source=fake,
+                          check_output="PASS {name} 24/24\n")
+    solved = submission(solutions, folder, "solved_no_checks", check_source="pass", check_output="")
+    assignment_notebook = notebooks.read(assignment)
+    assert scores(grade.grade_one(assignment_notebook, unsolved, FAST)) == \
+        {name: ("ok", 0, 0.0) for name in EXERCISES}
+    assert scores(grade.grade_one(assignment_notebook, solved, FAST)) == \
+        {name: ("ok", 24, 1.0) for name in EXERCISES}
+
+
+def test_a_crash_costs_only_its_own_exercise(paths):
+    assignment, solutions, folder = paths
+    path = submission(solutions, folder, "raises", {"ch00.ttft_tpot": "raise RuntimeError('boom')"})
+    got = scores(grade.grade_one(notebooks.read(assignment), path, FAST))
+    assert got["ch00.ttft_tpot"] == ("error", 0, 0.0)
+    assert got["ch00.decode_intensity"] == got["ch00.idle_fraction"] == ("ok", 24, 1.0)
+
+
+def test_a_dying_process_is_contained(paths):
+    assignment, solutions, folder = paths
+    path = submission(solutions, folder, "exits", {"ch00.ttft_tpot": "import os\nos._exit(3)"})
+    got = scores(grade.grade_one(notebooks.read(assignment), path, FAST))
+    assert got == {"ch00.decode_intensity": ("ok", 24, 1.0), "ch00.ttft_tpot": ("error", 0, 0.0),
+                   "ch00.idle_fraction": ("error", 0, 0.0)}
+
+
+def test_an_infinite_loop_times_out_and_the_rest_is_graded(paths):
+    assignment, solutions, folder = paths
+    path = submission(solutions, folder, "loops", {"ch00.ttft_tpot": "while True:\n    pass"})
+    got = scores(grade.grade_one(notebooks.read(assignment), path, FAST))
+    assert got["ch00.ttft_tpot"] == ("timeout", 0, 0.0)
+    assert got["ch00.decode_intensity"] == got["ch00.idle_fraction"] == ("ok", 24, 1.0)
+
+
+def test_a_loop_that_swallows_the_alarm_is_killed_with_its_submission(paths):
+    assignment, solutions, folder = paths
+    stubborn = "import time\nwhile True:\n    try:\n        time.sleep(1)\n    except BaseException:\n        pass"
+    path = submission(solutions, folder, "stubborn", {"ch00.ttft_tpot": stubborn})
+    limits = grade.Limits(submission_timeout_s=12, cell_timeout_s=2)
+    got = scores(grade.grade_one(notebooks.read(assignment), path, limits))
+    assert got == {"ch00.decode_intensity": ("ok", 24, 1.0), "ch00.ttft_tpot": ("timeout", 0, 0.0),
+                   "ch00.idle_fraction": ("timeout", 0, 0.0)}
+
+
+def test_an_output_flood_is_contained(paths):
+    assignment, solutions, folder = paths
+    path = submission(solutions, folder, "floods", {"ch00.decode_intensity": "while True:\n    print('x' * 10000)"})
+    got = scores(grade.grade_one(notebooks.read(assignment), path, FAST))
+    assert got["ch00.decode_intensity"] == ("timeout", 0, 0.0)
+    assert got["ch00.ttft_tpot"] == got["ch00.idle_fraction"] == ("ok", 24, 1.0)
+
+
+def test_a_deleted_exercise_cell_is_missing(paths):
+    assignment, solutions, folder = paths
+    notebook = notebooks.read(solutions)
+    del notebook.cells[notebooks.exercises(notebook)["ch00.idle_fraction"].solution_index]
+    path = folder / "deleted.ipynb"
+    notebooks.write(notebook, path)
+    got = scores(grade.grade_one(notebooks.read(assignment), path, FAST))
+    assert got["ch00.idle_fraction"] == ("missing", 0, 0.0)
+    assert got["ch00.ttft_tpot"] == ("ok", 24, 1.0)
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "infra_lab.cli", *map(str, args)],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_grades_a_folder_into_one_csv_even_with_a_hang(paths, tmp_path):
+    assignment, solutions, _ = paths
+    folder = tmp_path / "class"
+    folder.mkdir()
+    submission(solutions, folder, "alice")
+    submission(solutions, folder, "bob", {"ch00.decode_intensity": "while True:\n    pass"})
+    submission(assignment, folder, "carol")
+    out = tmp_path / "grades.csv"
+    done = run_cli("grade", assignment, folder, "--csv", out, "--cell-timeout", 3)
+    assert done.returncode == 0, done.stderr
+    with open(out, newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert list(rows[0]) == ["submission", "exercise", "passed", "total", "points", "status"]
+    assert len(rows) == 9
+    totals = {}
+    for row in rows:
+        name = row["submission"].rsplit("/", 1)[-1]
+        totals[name] = totals.get(name, 0) + float(row["points"])
+    assert totals == {"alice.ipynb": 3.0, "bob.ipynb": 2.0, "carol.ipynb": 0.0}
+    assert {row["status"] for row in rows if "bob" in row["submission"]} == {"ok", "timeout"}
+
+
+def test_cli_bad_paths_get_one_line_and_exit_2(paths, tmp_path):
+    assignment, solutions, _ = paths
+    text = tmp_path / "notes.ipynb"
+    text.write_text("these are not JSON")
+    out = tmp_path / "g.csv"
+    done = run_cli("grade", assignment, tmp_path / "absent.ipynb", text, "--csv", out)
+    assert done.returncode == 2
+    errors = done.stderr.strip().splitlines()
+    assert errors == [f"error: {tmp_path / 'absent.ipynb'}: no such file",
+                      f"error: {text}: not a Jupyter notebook (NotJSONError)"]
+    assert {row["status"] for row in csv.DictReader(open(out))} == {"missing"}
+    done = run_cli("grade", tmp_path / "absent.ipynb", solutions, "--csv", out)
+    assert done.returncode == 2
+    assert done.stderr.strip() == f"error: {tmp_path / 'absent.ipynb'}: no such file"
+
+
+def test_cli_help_lists_every_command_with_a_line():
+    done = run_cli("--help")
+    assert done.returncode == 0
+    for command in ("assign", "grade", "describe", "tidy"):
+        assert any(line.strip().startswith(command + " ") for line in done.stdout.splitlines()), command
