@@ -106,7 +106,10 @@ def _triad_passes(a, b, c, scalar, passes, n_chunks):  # (n,) each
             _triad_range(a[part], b[part], c[part], scalar)
 
 
-def _best_seconds(run, repeats: int) -> float:
+def best_seconds(run, repeats: int) -> float:
+    """The fastest of `repeats` timed calls of `run`, after one untimed warm-up call."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1; got {repeats}")
     run()  # warm: compile, fault pages in, fill caches
     best = float("inf")
     for _ in range(repeats):
@@ -131,9 +134,9 @@ def stream_bandwidth(kernel: str, bytes_per_array: int, repeats: int = 3,
     threads = numba.get_num_threads()
     a, b, c = np.zeros(n, np.float32), np.ones(n, np.float32), np.full(n, 2.0, np.float32)
     if kernel == "copy":
-        seconds = _best_seconds(lambda: _copy_passes(a, b, passes, threads), repeats)
+        seconds = best_seconds(lambda: _copy_passes(a, b, passes, threads), repeats)
     else:
-        seconds = _best_seconds(lambda: _triad_passes(a, b, c, np.float32(3.0), passes, threads), repeats)
+        seconds = best_seconds(lambda: _triad_passes(a, b, c, np.float32(3.0), passes, threads), repeats)
     return arrays * n * 4 * passes / seconds
 
 
@@ -154,7 +157,7 @@ def numpy_copy_bandwidth(bytes_per_array: int = 256 * 2**20, repeats: int = 3,
         def run() -> None:
             list(pool.map(lambda part: np.copyto(dst[part], src[part]), parts))
 
-        return 2 * src.nbytes / _best_seconds(run, repeats)
+        return 2 * src.nbytes / best_seconds(run, repeats)
 
 
 def blas_flops(dtype: str = "fp32", n: int = 2048, repeats: int = 3) -> float:
@@ -167,7 +170,7 @@ def blas_flops(dtype: str = "fp32", n: int = 2048, repeats: int = 3) -> float:
     rng = np.random.default_rng(0)
     left = rng.standard_normal((n, n)).astype(numpy_dtypes[dtype])
     right = rng.standard_normal((n, n)).astype(numpy_dtypes[dtype])
-    return 2 * n**3 / _best_seconds(lambda: left @ right, repeats)
+    return 2 * n**3 / best_seconds(lambda: left @ right, repeats)
 
 
 SWEEP_BYTES = [2**k for k in range(13, 29, 2)]  # 8 KiB .. 128 MiB per array: L1 to DRAM
@@ -328,5 +331,7 @@ def measure(target: str | None = None, refresh: bool = False, progress: bool = T
 
         device = _measure_cpu(step) if target == "cpu" else _measure_cuda(step)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(asdict(device)))
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps(asdict(device)))
+    partial.replace(path)  # atomic: a concurrent reader sees the old file or the new one
     return device

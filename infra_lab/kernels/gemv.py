@@ -25,18 +25,33 @@ def gemv_numpy(weights: np.ndarray, x: np.ndarray) -> np.ndarray:
     return weights @ x
 
 
+ROWS_PER_TASK = 4  # rows that share each load of x
+
+
 @numba.njit(parallel=True, fastmath=True, cache=True)
 def _gemv_rows(weights, x, out):  # (n_out, n_in), (n_in,), (n_out,)
     n_out, n_in = weights.shape
-    for row in numba.prange(n_out):
-        acc = 0.0
-        for col in range(n_in):
-            acc += weights[row, col] * x[col]
-        out[row] = acc
+    for task in numba.prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+        first = task * ROWS_PER_TASK
+        if first + ROWS_PER_TASK <= n_out:  # four streaming dot products, one pass over x
+            acc0 = acc1 = acc2 = acc3 = x[0] * 0
+            for col in range(n_in):
+                x_col = x[col]
+                acc0 += weights[first, col] * x_col
+                acc1 += weights[first + 1, col] * x_col
+                acc2 += weights[first + 2, col] * x_col
+                acc3 += weights[first + 3, col] * x_col
+            out[first], out[first + 1], out[first + 2], out[first + 3] = acc0, acc1, acc2, acc3
+        else:  # the last rows
+            for row in range(first, n_out):
+                acc = x[0] * 0
+                for col in range(n_in):
+                    acc += weights[row, col] * x[col]
+                out[row] = acc
 
 
 def gemv_numba(weights: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """CPU: one thread per block of rows, each row one streaming dot product."""
+    """CPU: tasks of four rows each, spread over the threads; each task streams its rows once."""
     _check_shapes(weights.shape, x.shape)
     weights = np.ascontiguousarray(weights)
     x = np.ascontiguousarray(x, dtype=weights.dtype)

@@ -1,0 +1,166 @@
+"""Roofline arithmetic against brute-force counts and published figures."""
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from infra_lab import hardware, roofline
+
+H100 = hardware.get("H100 SXM")
+sizes = st.integers(1, 4096)
+dtypes = st.sampled_from(sorted(roofline.BYTES_PER_ELEMENT))
+
+
+def test_catalog_has_every_part_with_a_source_and_positive_figures():
+    names = {"A100 SXM 80GB", "H100 SXM", "H200", "L4", "T4", "MI300X", "TPU v5e"}
+    assert names <= set(hardware.CATALOG)
+    for device in hardware.CATALOG.values():
+        assert device.source and device.memory_bandwidth > 0 and device.memory_bytes > 0
+        assert all(v > 0 for v in device.peak_flops.values())
+        assert ("bf16" in device.peak_flops) or ("fp16" in device.peak_flops)
+
+
+def test_an_unknown_device_lists_the_known_ones():
+    with pytest.raises(KeyError, match="unknown device 'B200'; known devices: A100 SXM 80GB, H100 SXM, H200"):
+        hardware.get("B200")
+
+
+def test_a_dtype_the_device_lacks_is_named():
+    with pytest.raises(ValueError, match="T4 has no 'fp8' peak; it has fp32, fp16, int8"):
+        roofline.ridge_point(hardware.get("T4"), "fp8")
+
+
+@given(m=sizes, n=sizes, k=sizes, dtype=dtypes)
+def test_gemm_counts_match_a_brute_force_tally(m, n, k, dtype):
+    cost = roofline.gemm(m, n, k, dtype)
+    multiply_adds = m * n * k  # one per (i, j, l)
+    assert cost.flops == 2 * multiply_adds
+    assert cost.bytes == pytest.approx((m * k + k * n + m * n) * roofline.bytes_per_element(dtype))
+
+
+@given(n_out=sizes, n_in=sizes)
+def test_gemv_does_about_two_flops_per_weight_byte_pair(n_out, n_in):
+    cost = roofline.gemv(n_out, n_in, "fp32")
+    assert cost.intensity <= 2 / 4 * (1 + 1e-12)  # 2 FLOPs per 4-byte weight, at most
+
+
+@pytest.mark.parametrize("op, args", [
+    (roofline.gemm, (0, 1, 1, "fp32")), (roofline.gemm, (1, -3, 1, "fp32")),
+    (roofline.attention_prefill, (0, 8, 64, "bf16")), (roofline.attention_decode, (10, 0, 64, "bf16")),
+    (roofline.elementwise, (0, "fp32")), (roofline.rmsnorm, (1, 0, "fp32")),
+])
+def test_zero_or_negative_sizes_are_refused(op, args):
+    with pytest.raises(ValueError, match="must be > 0; got"):
+        op(*args)
+
+
+def test_attention_prefill_matches_a_loop_over_query_key_pairs():
+    seq_len, heads, head_dim = 7, 3, 5
+    pairs = sum(1 for i in range(seq_len) for j in range(seq_len) if j <= i)
+    cost = roofline.attention_prefill(seq_len, heads, head_dim, "fp32")
+    assert cost.flops == 4 * pairs * heads * head_dim
+    assert cost.bytes == 4 * seq_len * head_dim * 4 * heads
+
+
+def test_decode_attention_intensity_is_set_by_grouped_heads():
+    mha = roofline.attention_decode(4096, 32, 128, "bf16")
+    gqa = roofline.attention_decode(4096, 32, 128, "bf16", n_kv_heads=8)
+    assert mha.intensity == pytest.approx(1.0, rel=0.01)  # 4 FLOPs per 2 K/V elements of 2 bytes
+    assert gqa.intensity == pytest.approx(4.0, rel=0.01)  # 4 query heads share each KV head
+
+
+@given(intensity=st.floats(1e-3, 1e5), dtype=st.sampled_from(["fp32", "bf16", "fp8"]))
+def test_attainable_is_the_lower_roof_and_ridge_is_where_they_meet(intensity, dtype):
+    attainable = roofline.attainable_flops(intensity, H100, dtype)
+    assert attainable == min(H100.flops(dtype), intensity * H100.memory_bandwidth)
+    ridge = roofline.ridge_point(H100, dtype)
+    assert roofline.attainable_flops(ridge, H100, dtype) == pytest.approx(H100.flops(dtype))
+
+
+def test_time_bound_names_the_binding_roof():
+    step = roofline.step_cost(roofline.LLAMA_3_8B, 1, 1, 0, "bf16")
+    seconds, bound = roofline.time_lower_bound(step, H100, "bf16")
+    assert bound == "memory" and seconds == pytest.approx(step.bytes / H100.memory_bandwidth)
+    prefill = roofline.step_cost(roofline.LLAMA_3_8B, 1, 4096, 0, "bf16")
+    assert roofline.time_lower_bound(prefill, H100, "bf16")[1] == "compute"
+
+
+def test_kv_cache_per_token_matches_the_published_sizes():
+    # 512 KiB for LLaMA-2-7B and 128 KiB for LLaMA-3-8B (grouped-query attention), in fp16
+    assert roofline.kv_bytes_per_token(roofline.preset("llama-2-7b"), "fp16") == 512 * 1024
+    assert roofline.kv_bytes_per_token(roofline.preset("llama-3-8b"), "fp16") == 128 * 1024
+
+
+@pytest.mark.parametrize("name, billions, active", [
+    ("llama-2-7b", 6.74, None), ("llama-3-8b", 8.03, None), ("llama-3-70b", 70.55, None),
+    ("mixtral-8x7b", 46.70, 12.9),
+])
+def test_parameter_counts_match_the_published_sizes(name, billions, active):
+    config = roofline.preset(name)
+    assert config.total_params / 1e9 == pytest.approx(billions, rel=0.01)
+    if active:  # Mixtral: 47B in total, 13B used per token (Jiang et al., 2024)
+        assert config.active_params / 1e9 == pytest.approx(active, rel=0.03)
+
+
+def test_tiny_model_has_about_a_million_parameters():
+    assert 0.8e6 < roofline.preset("infra-lab-tiny").total_params < 1.3e6
+
+
+def test_an_unknown_preset_lists_the_known_ones():
+    with pytest.raises(KeyError, match="presets: llama-2-7b, llama-3-8b"):
+        roofline.preset("gpt-5")
+
+
+@given(batch=st.integers(1, 512), new_tokens=st.integers(1, 64), context=st.integers(0, 4096))
+def test_step_cost_matches_a_per_token_sum(batch, new_tokens, context):
+    config = roofline.preset("infra-lab-tiny")
+    cost = roofline.step_cost(config, batch, new_tokens, context, "fp32")
+    flops = 0
+    for _ in range(batch):
+        for position in range(context, context + new_tokens):
+            flops += 2 * config.active_params + 4 * config.n_layers * config.d_model * (position + 1)
+    assert cost.flops == pytest.approx(flops)
+    weights = config.total_params - config.vocab * config.d_model  # the embedding is indexed
+    kv = batch * (context + new_tokens) * roofline.kv_bytes_per_token(config, "fp32")
+    assert cost.bytes == pytest.approx(4 * weights + kv)
+
+
+def test_moe_decode_reads_more_experts_as_the_batch_grows():
+    mixtral = roofline.preset("mixtral-8x7b")
+    assert mixtral.experts_touched(1) == pytest.approx(2)
+    assert mixtral.experts_touched(64) == pytest.approx(8, abs=1e-6)
+    one = roofline.step_cost(mixtral, 1, 1, 0, "bf16")
+    many = roofline.step_cost(mixtral, 64, 1, 0, "bf16")
+    assert many.bytes > 2.5 * one.bytes
+
+
+def test_critical_batch_reproduces_the_scaling_book_for_an_h100():
+    # "How to Scale Your Model": about 298 for bf16 (989 TFLOP/s over 3.35 TB/s); ours ~295
+    batch = roofline.critical_batch(roofline.LLAMA_3_8B, H100, "bf16")
+    assert 290 <= batch <= 300
+    step = roofline.step_cost(roofline.LLAMA_3_8B, batch, 1, 0, "bf16")
+    below = roofline.step_cost(roofline.LLAMA_3_8B, batch - 1, 1, 0, "bf16")
+    ridge = roofline.ridge_point(H100, "bf16")
+    assert step.intensity >= ridge > below.intensity
+
+
+def test_long_contexts_can_keep_decode_memory_bound_at_any_batch():
+    assert roofline.critical_batch(roofline.preset("llama-2-7b"), H100, "bf16", context=32768) == math.inf
+
+
+def test_unknown_dtype_is_named():
+    with pytest.raises(ValueError, match="unknown dtype 'fp7'"):
+        roofline.step_cost(roofline.LLAMA_3_8B, 1, 1, 0, "fp7")
+    with pytest.raises(ValueError, match="batch must be >= 1; got 0"):
+        roofline.step_cost(roofline.LLAMA_3_8B, 0, 1, 0, "bf16")
+
+
+def test_plot_draws_a_roof_per_dtype_and_every_point():
+    import matplotlib
+    matplotlib.use("Agg")
+    ax = roofline.plot([(H100, "bf16"), (H100, "fp32")],
+                       [roofline.Point("decode", 1.0, 3e12), roofline.Point("prefill", 900, 9e14)])
+    assert len(ax.get_legend().get_texts()) == 2
+    assert {t.get_text() for t in ax.texts} == {"decode", "prefill"}
+    assert ax.get_xscale() == ax.get_yscale() == "log"
