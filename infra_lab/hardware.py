@@ -20,7 +20,7 @@ import numpy as np
 
 TERA = 1e12
 GB = 1e9  # datasheets' GB and TB/s are decimal
-PROBE_VERSION = 1  # bump when measure() changes, so cached results are redone
+PROBE_VERSION = 2  # bump when measure() changes, so cached results are redone
 
 
 @dataclass(frozen=True)
@@ -180,12 +180,21 @@ DRAM_BYTES = 256 * 2**20
 def _measure_cpu(progress) -> Device:
     # numpy first: numba's OpenMP threads spin for a while after each parallel region
     probes: dict[str, list[list[float]]] = {
-        "numpy_copy": [[DRAM_BYTES, numpy_copy_bandwidth(DRAM_BYTES)]], "copy": [], "triad": []}
+        "numpy_copy": [[DRAM_BYTES, numpy_copy_bandwidth(DRAM_BYTES)]],
+        "numpy_copy_one_thread": [[DRAM_BYTES, numpy_copy_bandwidth(DRAM_BYTES, threads=1)]],
+        "copy": [], "triad": []}
     progress("numpy copy")
     for size in SWEEP_BYTES + [DRAM_BYTES]:
         for kernel in ("copy", "triad"):
             probes[kernel].append([size, stream_bandwidth(kernel, size)])
             progress(f"{kernel} {size // 1024} KiB")
+    threads = numba.get_num_threads()
+    numba.set_num_threads(1)  # like for like with numpy's one-thread copy above
+    try:
+        probes["copy_one_thread"] = [[DRAM_BYTES, stream_bandwidth("copy", DRAM_BYTES)]]
+    finally:
+        numba.set_num_threads(threads)
+    progress("one thread each")
     flops = {}
     for dtype in ("fp32", "fp64"):
         flops[dtype] = blas_flops(dtype)
@@ -323,7 +332,7 @@ def measure(target: str | None = None, refresh: bool = False, progress: bool = T
         return Device(**json.loads(path.read_text()))
     from tqdm.auto import tqdm
 
-    steps = 2 * (len(SWEEP_BYTES) + 1) + 3 if target == "cpu" else 13
+    steps = 2 * (len(SWEEP_BYTES) + 1) + 4 if target == "cpu" else 13
     with tqdm(total=steps, desc=f"measuring this {target}", disable=not progress, leave=False) as bar:
         def step(label: str) -> None:
             bar.set_postfix_str(label)

@@ -169,3 +169,18 @@ def test_cli_help_lists_every_command_with_a_line():
     assert done.returncode == 0
     for command in ("assign", "grade", "describe", "tidy"):
         assert any(line.strip().startswith(command + " ") for line in done.stdout.splitlines()), command
+
+
+CHAPTERS = sorted(p.name for p in (__import__("pathlib").Path(__file__).resolve().parent.parent / "exercises").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_every_chapter_grades_solutions_full_and_fresh_exercises_zero(paths, chapter):
+    exercises_dir, solutions_dir = paths[0].parent, paths[1].parent
+    assignment = notebooks.read(exercises_dir / chapter)
+    names = list(notebooks.exercises(assignment))
+    assert len(names) >= 2
+    full = scores(grade.grade_one(assignment, solutions_dir / chapter, FAST))
+    assert full == {name: ("ok", 24, 1.0) for name in names}
+    zero = scores(grade.grade_one(assignment, exercises_dir / chapter, FAST))
+    assert zero == {name: ("ok", 0, 0.0) for name in names}

@@ -98,6 +98,17 @@ def test_chapter_figures_and_source_listings_are_present(browser, site_url):
     page.close()
 
 
+@pytest.mark.parametrize("chapter", ["ch00_stack", "ch01_roofline"])
+def test_every_chapter_has_figures_source_and_an_explorer(browser, site_url, chapter):
+    page, _ = open_page(browser, f"{site_url}/book/{chapter}.html")
+    widths = page.eval_on_selector_all("img", "imgs => imgs.map(i => i.naturalWidth)")
+    assert len([w for w in widths if w > 100]) >= 2, widths
+    assert page.locator(".infra-lab-source").count() >= 2
+    text = page.inner_text("body")
+    assert "Explorer." in text and "infra_lab backend:" in text
+    page.close()
+
+
 def test_launch_buttons_go_to_colab_and_binder(browser, site_url):
     page, _ = open_page(browser, f"{site_url}/book/ch00_stack.html")
     links = page.eval_on_selector_all("a", "as => as.map(a => a.href)")

@@ -42,7 +42,7 @@ class CheckResult:
 
 _REGISTRY: dict[str, Check] = {}
 _RESULTS: list[CheckResult] = []
-_CHAPTER_MODULES = {"ch00": "infra_lab.grading.ch00"}
+_CHAPTER_MODULES = {"ch00": "infra_lab.grading.ch00", "ch01": "infra_lab.grading.ch01"}
 
 
 def register(spec: Check) -> Check:

@@ -44,45 +44,79 @@ def decode_attention_numpy(q, k, v, lengths):
     return out
 
 
+SPLIT = 256  # cached positions per task: contiguous rows of K and V, all heads at once
+
+
 @numba.njit(parallel=True, fastmath=True, cache=True)
-def _decode_attention(q, k, v, lengths, scale, out):
+def _decode_attention_splits(q, k, v, lengths, scale, top, total, acc):
+    """Flash-decoding: every task takes SPLIT positions of one sequence, reads those rows of K
+    and V once for all heads, and leaves a partial softmax per head: its max score `top`, the
+    sum of exp(score - top) `total`, and the weighted sum of values `acc`."""
     batch, n_heads, d = q.shape
     n_kv = k.shape[2]
     group = n_heads // n_kv
-    for item in numba.prange(batch * n_kv):  # one cached head of one sequence per task
-        b, g = item // n_kv, item % n_kv
-        length = lengths[b]
-        scores = np.empty((group, length), np.float32)
-        for t in range(length):  # pass 1 reads K once for the whole group
-            for h in range(group):
+    n_splits = top.shape[1]
+    for task in numba.prange(batch * n_splits):
+        b, split = task // n_splits, task % n_splits
+        first, last = split * SPLIT, min(lengths[b], (split + 1) * SPLIT)
+        if first >= last:
+            continue
+        scores = np.empty((n_heads, last - first), np.float32)
+        for t in range(first, last):  # K rows, contiguous across heads
+            for h in range(n_heads):
                 s = np.float32(0.0)
                 for i in range(d):
-                    s += q[b, g * group + h, i] * k[b, t, g, i]
-                scores[h, t] = s * scale
-        for h in range(group):
-            top = scores[h].max()
-            total = np.float32(0.0)
-            for t in range(length):
-                scores[h, t] = np.exp(scores[h, t] - top)
-                total += scores[h, t]
-            scores[h] /= total
-        acc = np.zeros((group, d), np.float32)
-        for t in range(length):  # pass 2 reads V once
-            for h in range(group):
-                p = scores[h, t]
+                    s += q[b, h, i] * k[b, t, h // group, i]
+                scores[h, t - first] = s * scale
+        for h in range(n_heads):
+            peak = scores[h].max()
+            summed = np.float32(0.0)
+            for j in range(last - first):
+                scores[h, j] = np.exp(scores[h, j] - peak)
+                summed += scores[h, j]
+            top[b, split, h] = peak
+            total[b, split, h] = summed
+            acc[b, split, h, :] = 0.0
+        for t in range(first, last):  # V rows
+            for h in range(n_heads):
+                p = scores[h, t - first]
                 for i in range(d):
-                    acc[h, i] += p * v[b, t, g, i]
-        for h in range(group):
-            out[b, g * group + h] = acc[h]
+                    acc[b, split, h, i] += p * v[b, t, h // group, i]
+
+
+@numba.njit(cache=True)
+def _merge_splits(top, total, acc, lengths, out):
+    """Combine partial softmaxes: rescale each by exp(its max - the overall max)."""
+    batch, n_splits, n_heads = top.shape
+    for b in range(batch):
+        used = (lengths[b] + SPLIT - 1) // SPLIT
+        for h in range(n_heads):
+            peak = top[b, 0, h]
+            for split in range(1, used):
+                peak = max(peak, top[b, split, h])
+            weight_sum = 0.0
+            out[b, h, :] = 0.0
+            for split in range(used):
+                factor = np.exp(top[b, split, h] - peak)
+                weight_sum += factor * total[b, split, h]
+                out[b, h, :] += factor * acc[b, split, h, :]
+            out[b, h, :] /= weight_sum
 
 
 def decode_attention_numba(q, k, v, lengths):
-    """CPU, float32: one task per (sequence, cached head); two passes, K then V."""
+    """CPU, float32: tasks of SPLIT cached positions each, then a merge of their softmaxes."""
     _check(q.shape, k.shape, v.shape, lengths)
-    out = np.empty(q.shape, np.float32)
-    _decode_attention(np.ascontiguousarray(q, np.float32), np.ascontiguousarray(k, np.float32),
-                      np.ascontiguousarray(v, np.float32), np.asarray(lengths, np.int64),
-                      np.float32(1 / math.sqrt(q.shape[2])), out)
+    lengths = np.asarray(lengths, np.int64)
+    batch, n_heads, d = q.shape
+    n_splits = (int(lengths.max()) + SPLIT - 1) // SPLIT
+    top = np.empty((batch, n_splits, n_heads), np.float32)
+    total = np.empty((batch, n_splits, n_heads), np.float32)
+    acc = np.empty((batch, n_splits, n_heads, d), np.float32)
+    _decode_attention_splits(np.ascontiguousarray(q, np.float32), np.ascontiguousarray(k, np.float32),
+                             np.ascontiguousarray(v, np.float32), lengths,
+                             np.float32(1 / math.sqrt(d)), top, total, acc)
+    out = np.empty((batch, n_heads, d), np.float32)
+    _merge_splits(top, total, acc, lengths, out)
     return out
 
 
