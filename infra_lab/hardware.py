@@ -207,7 +207,8 @@ def _measure_cpu(progress) -> Device:
 
 # ---- GPU probes: torch device-to-device copy and matmul per dtype ------------------------
 
-def _cuda_seconds(torch, run, repeats: int) -> float:
+def cuda_seconds(torch, run, repeats: int) -> float:
+    """The fastest of `repeats` calls of `run` on the GPU, timed with CUDA events."""
     run()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -244,7 +245,7 @@ def _cuda_matmul_flops(torch, dtype: str, n: int = 8192) -> float | None:
             run = lambda: torch._int_mm(a8, b8)  # noqa: E731
         else:
             return None
-        seconds = _cuda_seconds(torch, run, repeats=10)
+        seconds = cuda_seconds(torch, run, repeats=10)
     except (RuntimeError, AttributeError, TypeError):
         return None
     finally:
@@ -259,7 +260,7 @@ def _measure_cuda(progress) -> Device:
     for size in [2**k for k in range(20, 32, 2)] + [2**32]:  # 1 MiB .. 4 GiB per array
         src = torch.empty(size // 4, dtype=torch.float32, device="cuda").fill_(1.0)
         dst = torch.empty_like(src)
-        seconds = _cuda_seconds(torch, lambda: dst.copy_(src), repeats=10)
+        seconds = cuda_seconds(torch, lambda: dst.copy_(src), repeats=10)
         probes["copy"].append([size, 2 * size / seconds])
         del src, dst
         progress(f"copy {size // 2**20} MiB")

@@ -18,6 +18,8 @@ SIZES = {
               "attention_context": 16384},
     "full": {"matmul": [64, 128, 256, 512, 1024, 2048], "gemv": 8192, "triad_bytes": 256 * 2**20,
              "attention_context": 65536},
+    "cuda": {"matmul": [256, 512, 1024, 2048, 4096, 8192], "gemv": 16384, "triad_bytes": 2**30,
+             "attention_context": 131072},
 }
 
 
@@ -78,10 +80,47 @@ def time_attention_decode(context: int, n_heads: int = 8, head_dim: int = 64, re
     return KernelRun(f"attention decode {context // 1024}K", roofline.attention_decode(context, n_heads, head_dim, "fp32"), seconds)
 
 
+def _cuda_run(label: str, cost: roofline.Cost, dtype: str, run) -> KernelRun:
+    import torch
+
+    return KernelRun(label, cost, hardware.cuda_seconds(torch, run, repeats=10), dtype)
+
+
+def run_all_cuda(plan: dict) -> list:
+    """The same kernels through torch on the GPU: bf16 matmuls and GEMV, an fp32 triad, and
+    bf16 decode attention (32 heads of 128) through scaled_dot_product_attention."""
+    import torch
+    import torch.nn.functional as F
+
+    runs = []
+    for n in plan["matmul"]:
+        a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        runs.append(_cuda_run(f"matmul {n}", roofline.gemm(n, n, n, "bf16"), "bf16", lambda: a @ b))
+    n = plan["gemv"]
+    weights = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    runs.append(_cuda_run(f"GEMV {n}x{n}", roofline.gemv(n, n, "bf16"), "bf16", lambda: torch.mv(weights, x)))
+    del weights
+    n = plan["triad_bytes"] // 4
+    a, b, c = (torch.ones(n, device="cuda") for _ in range(3))
+    runs.append(_cuda_run(f"triad {plan['triad_bytes'] // 2**20} MiB", roofline.Cost(2 * n, 12 * n), "fp32",
+                          lambda: torch.add(b, c, alpha=3.0, out=a)))
+    del a, b, c
+    context, heads, head_dim = plan["attention_context"], 32, 128
+    q = torch.randn(1, heads, 1, head_dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, heads, context, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    runs.append(_cuda_run(f"attention decode {context // 1024}K", roofline.attention_decode(context, heads, head_dim, "bf16"),
+                          "bf16", lambda: F.scaled_dot_product_attention(q, k, v)))
+    return runs
+
+
 def run_all(size: str = "small", progress: bool = True) -> list[KernelRun]:
-    """Every kernel of the chapter at `size` ("small" or "full")."""
+    """Every kernel of the chapter at `size`: "small" or "full" on the CPU (numpy, numba), or
+    "cuda" on the GPU (torch)."""
     if size not in SIZES:
         raise ValueError(f"size must be one of {', '.join(SIZES)}; got {size!r}")
+    if size == "cuda":
+        return run_all_cuda(SIZES["cuda"])
     from tqdm.auto import tqdm
 
     plan = SIZES[size]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from infra_lab import backend as backends
 from infra_lab.kernels.gemv import gemv
 
 
@@ -80,21 +81,33 @@ def decode_timeline(width: int, n_layers: int = 8, steps: int = 20,
 
     Each step pushes a vector through `n_layers` GEMVs of width x width (fp32) on the current
     backend, with the host-side work of a real loop in between (a nonlinearity and picking the
-    next input). Returns the kernel (begin, end) intervals and the window, in seconds.
+    next input). On a GPU the weights stay on the device and each kernel is timed to its
+    completion. Returns the kernel (begin, end) intervals and the window, in seconds.
     """
     if width < 1 or n_layers < 1 or steps < 1:
         raise ValueError(f"width, n_layers and steps must be >= 1; got {width}, {n_layers}, {steps}")
     rng = np.random.default_rng(seed)
-    weights = [rng.standard_normal((width, width)).astype(np.float32) / np.sqrt(width)
+    weights = [(rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32)
                for _ in range(n_layers)]  # each (width, width)
     x = rng.standard_normal(width).astype(np.float32)  # (width,)
-    gemv(weights[0], x)  # compile before timing
+    current = backends.current()
+    nonlinearity, synchronize = np.tanh, lambda: None
+    if current.name == "torch":
+        import torch
+
+        weights = [torch.from_numpy(w).to(current.device) for w in weights]
+        x, nonlinearity = torch.from_numpy(x).to(current.device), torch.tanh
+        if current.device == "cuda":
+            synchronize = torch.cuda.synchronize
+    gemv(weights[0], x)  # compile or warm up before timing
+    synchronize()
     intervals: list[tuple[float, float]] = []
     start = time.perf_counter()
     for _ in range(steps):
         for w in weights:
             begin = time.perf_counter()
             y = gemv(w, x)
+            synchronize()
             intervals.append((begin, time.perf_counter()))
-            x = np.tanh(y).astype(np.float32)  # host work between kernels
+            x = nonlinearity(y)  # host work between kernels
     return intervals, start, time.perf_counter()

@@ -1,0 +1,23 @@
+"""Every chapter and solution notebook also runs with INFRA_LAB_BACKEND=torch: the path a
+Colab GPU takes, here on torch's CPU build."""
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted(p.relative_to(ROOT).as_posix() for folder in ("book", "solutions")
+                   for p in (ROOT / folder).glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("relative", NOTEBOOKS)
+def test_notebook_runs_on_the_torch_backend(relative, monkeypatch):
+    pytest.importorskip("torch")
+    monkeypatch.setenv("INFRA_LAB_BACKEND", "torch")
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    notebook = nbformat.read(ROOT / relative, as_version=4)
+    NotebookClient(notebook, timeout=300, kernel_name="python3",
+                   resources={"metadata": {"path": str((ROOT / relative).parent)}}).execute()
+    first = next(cell for cell in notebook.cells if cell.cell_type == "code")
+    assert "infra_lab backend: torch on cpu" in first.outputs[0]["text"]
