@@ -22,8 +22,18 @@ def test_default_is_torch_on_cuda_when_a_gpu_is_visible(monkeypatch):
 
 @pytest.mark.parametrize("name", ["numba", "torch", "numpy"])
 def test_environment_forces_a_backend(monkeypatch, name):
+    monkeypatch.setattr(backend, "_torch_has_cuda", lambda: False)
     monkeypatch.setenv("INFRA_LAB_BACKEND", name)
     assert backend.current() == backend.Backend(name, "cpu")
+
+
+def test_environment_forces_torch_onto_the_cpu_beside_a_gpu(monkeypatch):
+    monkeypatch.setattr(backend, "_torch_has_cuda", lambda: True)
+    monkeypatch.setenv("INFRA_LAB_BACKEND", "torch")
+    assert backend.current() == backend.Backend("torch", "cuda")
+    monkeypatch.setattr(backend, "_current", None)
+    monkeypatch.setenv("INFRA_LAB_DEVICE", "cpu")
+    assert backend.current() == backend.Backend("torch", "cpu")
 
 
 def test_environment_with_a_bad_name_names_the_choices(monkeypatch):
