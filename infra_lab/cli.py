@@ -65,6 +65,17 @@ def _tidy(args: argparse.Namespace) -> int:
     return 1 if args.check and stale else 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from infra_lab.model import train, weights
+
+    out = Path(args.out) if args.out else weights.path_for(args.size)
+    figures = train.train(args.size, out, seed=args.seed, steps=args.steps)
+    print(f"wrote {out}: validation {figures['validation_bits_per_byte']:.3f} bits/byte "
+          f"(unigram baseline {figures['unigram_bits_per_byte']:.3f}) after "
+          f"{figures['train_seconds'] / 60:.1f} minutes")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="infra-lab", description="AI Infra Lab: the book's tools.")
     commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -90,6 +101,14 @@ def parser() -> argparse.ArgumentParser:
 
     describe = commands.add_parser("describe", help="print where kernels run: backend, device, versions")
     describe.set_defaults(run=_describe)
+
+    train = commands.add_parser("train", help="retrain the book's small GPT on Python's standard library (torch, CPU)",
+                                description="Retrain a model from Python's own standard library source.")
+    train.add_argument("--size", required=True, choices=["target", "draft"], help="which model")
+    train.add_argument("--seed", type=int, default=0, help="random seed (0)")
+    train.add_argument("--steps", type=int, help="optimizer steps (default: the shipped schedule)")
+    train.add_argument("--out", help="weight file to write (default: the shipped one)")
+    train.set_defaults(run=_train)
 
     tidy = commands.add_parser("tidy", help="put notebooks in committed form (setup cell, no outputs)")
     tidy.add_argument("notebooks", nargs="+", help="notebooks to tidy")

@@ -42,7 +42,7 @@ class CheckResult:
 
 _REGISTRY: dict[str, Check] = {}
 _RESULTS: list[CheckResult] = []
-_CHAPTER_MODULES = {"ch00": "infra_lab.grading.ch00", "ch01": "infra_lab.grading.ch01"}
+_CHAPTER_MODULES = {f"ch{n:02d}": f"infra_lab.grading.ch{n:02d}" for n in range(3)}
 
 
 def register(spec: Check) -> Check:
@@ -98,6 +98,25 @@ def _close(expected: object, got: object, spec: Check) -> bool:
     return bool(np.allclose(got_array, expected_array, rtol=spec.rtol, atol=spec.atol, equal_nan=True))
 
 
+def _difference(expected: object, got: object) -> str:
+    """Where two equal-shaped arrays (or tuples of them) differ most, for the failure line."""
+    if isinstance(expected, (tuple, list)) and isinstance(got, (tuple, list)) and len(got) == len(expected):
+        for position, (e, g) in enumerate(zip(expected, got)):
+            detail = _difference(e, g)
+            if detail:
+                return f"; item {position}{detail}"
+        return ""
+    try:
+        e, g = np.asarray(expected, dtype=float), np.asarray(got, dtype=float)
+    except (TypeError, ValueError):
+        return ""
+    if e.shape != g.shape or e.size < 2:
+        return ""
+    gap = np.abs(np.nan_to_num(e - g, nan=np.inf))
+    worst = np.unravel_index(int(np.argmax(gap)), gap.shape)
+    return f" (largest gap at index {tuple(int(i) for i in worst)}: got {short_repr(g[worst])}, expected {short_repr(e[worst])})"
+
+
 def _run(spec: Check, candidate: object) -> CheckResult:
     if not callable(candidate):
         return CheckResult(spec.name, 0, spec.n_cases,
@@ -108,7 +127,7 @@ def _run(spec: Check, candidate: object) -> CheckResult:
     passed, first_failure = 0, None
     for args in cases:
         expected = spec.reference(*copy.deepcopy(args))
-        call = f"{function_name}{short_repr(tuple(args), 200)}"
+        call = f"{function_name}{short_repr(tuple(args), 120)}"
         try:
             got = candidate(*copy.deepcopy(args))
         except Exception as error:  # the student's bug is the finding, not a crash
@@ -117,8 +136,8 @@ def _run(spec: Check, candidate: object) -> CheckResult:
             if _close(expected, got, spec):
                 passed += 1
                 continue
-            failure = f"{call} returned {short_repr(got)}, expected {short_repr(expected)}"
-        first_failure = first_failure or failure.splitlines()[0][:300]
+            failure = f"{call} returned {short_repr(got)}, expected {short_repr(expected)}" + _difference(expected, got)
+        first_failure = first_failure or failure.splitlines()[0][:400]
     return CheckResult(spec.name, passed, spec.n_cases, first_failure)
 
 
