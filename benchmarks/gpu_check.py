@@ -116,6 +116,52 @@ def main() -> None:
 
         step("kernels_cuda", kernels)
 
+        def small_gpt():
+            from infra_lab import model
+            from infra_lab.kernels import attention
+
+            target = model.load("target")
+            tokens = np.frombuffer(Path(__file__).read_bytes()[:512], np.uint8).astype(np.int64)
+            cpu_logits = target.forward(tokens, backend=backend.resolve("numba"))
+            gpu_logits = target.forward(tokens, backend=backend.resolve("torch", "cuda"))
+            rng = np.random.default_rng(0)
+            q, k, v = (rng.standard_normal((8, 2048, 64)).astype(np.float32) for _ in range(3))
+            with backend.using("torch", "cuda"):
+                torch.backends.cuda.matmul.allow_tf32 = False
+                flash_gpu = attention.attention(q, k, v)
+            reference = attention.attention_numpy(q, k, v)
+            cpu = model.generate(target, "import os\n", 200, temperature=0, backend=backend.resolve("numba"))
+            model.generate(target, "import os\n", 20, temperature=0, backend=backend.resolve("torch", "cuda"))  # warm up
+            gpu = model.generate(target, "import os\n", 200, temperature=0, backend=backend.resolve("torch", "cuda"))
+            return {"logits_max_abs_diff_cuda_vs_numba": float(np.abs(cpu_logits - gpu_logits).max()),
+                    "attention_cuda_max_rel_err": float(np.abs(flash_gpu - reference).max() / np.abs(reference).max()),
+                    "greedy_tokens_same_as_cpu": cpu.new_tokens == gpu.new_tokens,
+                    "cuda_tokens_per_s": gpu.tokens_per_s, "numba_cpu_tokens_per_s_here": cpu.tokens_per_s}
+
+        step("small_gpt_cuda", small_gpt)
+
+        def paged_cuda():
+            from infra_lab.kernels import paged_attention
+
+            device = hardware.measure(target="cuda", progress=False)
+            rows = {}
+            for batch, length in ((32, 2048), (64, 4096)):
+                heads, head_dim, block_size = 8, 128, 16
+                per_seq = length // block_size
+                generator = torch.Generator(device="cuda").manual_seed(0)
+                k_pool, v_pool = (torch.randn(batch * per_seq, block_size, heads, head_dim, device="cuda",
+                                              dtype=torch.bfloat16, generator=generator) for _ in range(2))
+                tables = torch.randperm(batch * per_seq, device="cuda", generator=generator).reshape(batch, per_seq)
+                lengths = torch.full((batch,), length, device="cuda")
+                q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=generator)
+                seconds = hardware.cuda_seconds(torch, lambda: paged_attention.paged_decode_torch(q, k_pool, v_pool, tables, lengths), 10)
+                moved = 2 * k_pool.numel() * k_pool.element_size()
+                rows[f"{batch}x{length}"] = {"cache_GBps": moved / seconds / 1e9,
+                                             "share_of_copy_bandwidth": moved / seconds / device.memory_bandwidth}
+            return rows
+
+        step("paged_decode_cuda", paged_cuda)
+
         def timeline():
             return {w: stack.idle_fraction(*stack.decode_timeline(w, 8, 10)) for w in (32, 512, 4096)}
 

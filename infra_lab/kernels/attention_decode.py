@@ -85,11 +85,11 @@ def _decode_attention_splits(q, k, v, lengths, scale, top, total, acc):
 
 
 @numba.njit(cache=True)
-def _merge_splits(top, total, acc, lengths, out):
+def _merge_splits(top, total, acc, lengths, out, split_len):
     """Combine partial softmaxes: rescale each by exp(its max - the overall max)."""
     batch, n_splits, n_heads = top.shape
     for b in range(batch):
-        used = (lengths[b] + SPLIT - 1) // SPLIT
+        used = (lengths[b] + split_len - 1) // split_len
         for h in range(n_heads):
             peak = top[b, 0, h]
             for split in range(1, used):
@@ -116,7 +116,7 @@ def decode_attention_numba(q, k, v, lengths):
                              np.ascontiguousarray(v, np.float32), lengths,
                              np.float32(1 / math.sqrt(d)), top, total, acc)
     out = np.empty((batch, n_heads, d), np.float32)
-    _merge_splits(top, total, acc, lengths, out)
+    _merge_splits(top, total, acc, lengths, out, SPLIT)
     return out
 
 

@@ -112,5 +112,5 @@ class QuantizedKVCache:
     def values(self, layer: int):
         return self._store.values(layer)
 
-    def advance(self, steps: int) -> None:
+    def advance(self, steps: int, tokens=None) -> None:
         self._store.advance(steps)

@@ -82,3 +82,34 @@ def generate(model, prompt, max_new_tokens: int = 64, temperature: float = 1.0, 
             else:
                 logits = model.forward(tokens + new, None, backend)[-1]
     return Generation(tokens, new, time.perf_counter() - started)
+
+
+def generate_many(model, prompts: list, max_new_tokens: int, paged=None,
+                  backend: backends.Backend | None = None) -> list[list[int]]:
+    """Greedy continuations of several prompts decoded together: each prompt is prefilled into
+    its own cache, then every step runs one batched decode over all of them. The caches are
+    sequences of `paged` (a PagedKVCache) when given, else one contiguous cache each. Sequences
+    are freed from `paged` at the end."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
+    backend = backend or backends.current()
+    encoded = [list(tokenizer.encode(p)) if isinstance(p, (str, bytes)) else [int(t) for t in p] for p in prompts]
+    longest = max(len(tokens) for tokens in encoded) if encoded else 0
+    if not encoded or min(len(t) for t in encoded) < 1 or longest + max_new_tokens > model.config.context:
+        raise ValueError(f"need non-empty prompts that leave room for {max_new_tokens} tokens in the "
+                         f"context of {model.config.context}; the longest has {longest}")
+    seqs = [paged.new_sequence() for _ in encoded] if paged is not None else []
+    caches = [paged.view(seq) for seq in seqs] if paged is not None else \
+        [model.new_cache(backend=backend) for _ in encoded]
+    try:
+        last = np.array([int(np.argmax(model.forward(tokens, cache, backend)[-1]))
+                         for tokens, cache in zip(encoded, caches)])
+        outputs = [[int(t)] for t in last]
+        for _ in range(max_new_tokens - 1):
+            last = np.argmax(model.decode_batch(last, caches, backend), axis=-1)
+            for out, token in zip(outputs, last):
+                out.append(int(token))
+    finally:
+        for seq in seqs:
+            paged.free(seq)
+    return outputs

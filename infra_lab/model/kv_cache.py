@@ -20,7 +20,7 @@ class KVCache(Protocol):
 
     def values(self, layer: int): ...
 
-    def advance(self, steps: int) -> None: ...
+    def advance(self, steps: int, tokens=None) -> None: ...  # tokens: ids of the positions just written
 
 
 class ContiguousKVCache:
@@ -58,6 +58,6 @@ class ContiguousKVCache:
     def values(self, layer: int):
         return self.v[layer, : self.length + self._pending]
 
-    def advance(self, steps: int) -> None:
+    def advance(self, steps: int, tokens=None) -> None:
         self.length += steps
         self._pending = 0

@@ -95,5 +95,5 @@ class TorchTransformer(nn.Module):
             h = rmsnorm(x, self.w(f"layers.{i}.mlp_norm"))
             x = x + (F.silu(h @ self.w(f"layers.{i}.w_gate")) * (h @ self.w(f"layers.{i}.w_up"))) @ self.w(f"layers.{i}.w_down")
         if cache is not None:
-            cache.advance(steps)
+            cache.advance(steps, tokens[0].tolist())
         return rmsnorm(x, self.w("final_norm")) @ self.w("lm_head")

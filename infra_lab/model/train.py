@@ -42,10 +42,13 @@ def bits_per_byte(model: TorchTransformer, data: np.ndarray, window: int = 512, 
     return total / count / math.log(2)
 
 
-def train(size: str, out: Path, seed: int = 0, steps: int | None = None, progress: bool = True) -> dict:
+def train(size: str, out: Path, seed: int = 0, steps: int | None = None, progress: bool = True,
+          eval_windows: int | None = None) -> dict:
     """Train the `size` model and save its weights to `out`; return the run's figures."""
     if size not in CONFIGS:
         raise ValueError(f"unknown size {size!r}; choose one of {', '.join(CONFIGS)}")
+    if steps is not None and steps < 1:
+        raise ValueError(f"steps must be >= 1; got {steps}")
     from tqdm.auto import tqdm
 
     config = CONFIGS[size]
@@ -78,7 +81,7 @@ def train(size: str, out: Path, seed: int = 0, steps: int | None = None, progres
     seconds = time.perf_counter() - started
     model.eval()
     figures = {"size": size, "steps": total_steps, "seed": seed, "train_seconds": seconds,
-               "validation_bits_per_byte": bits_per_byte(model, validation),
+               "validation_bits_per_byte": bits_per_byte(model, validation, max_windows=eval_windows),
                "unigram_bits_per_byte": corpus.unigram_bits_per_byte(train_bytes, validation),
                "threads": torch.get_num_threads()}
     save(model.numpy_weights(), config, out, figures)

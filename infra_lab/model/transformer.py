@@ -74,6 +74,20 @@ class Transformer:
             zeros = lambda shape: torch.zeros(shape, device=backend.device)  # noqa: E731
         return ContiguousKVCache(c.n_layers, c.n_kv_heads, c.head_dim, max_len or c.context, zeros)
 
+    def new_paged_cache(self, num_blocks: int, block_size: int = 16, prefix_sharing: bool = False,
+                        backend: backends.Backend | None = None):
+        """An empty PagedKVCache for this model, on the backend's device."""
+        from infra_lab.kv.paged import PagedKVCache
+
+        backend = backend or backends.current()
+        zeros = None
+        if backend.name == "torch":
+            import torch
+
+            zeros = lambda shape: torch.zeros(shape, device=backend.device)  # noqa: E731
+        c = self.config
+        return PagedKVCache(c.n_layers, c.n_kv_heads, c.head_dim, num_blocks, block_size, prefix_sharing, zeros=zeros)
+
     def forward(self, tokens, cache=None, backend: backends.Backend | None = None) -> np.ndarray:
         """Logits (T, vocab) for `tokens` (T,), which continue whatever `cache` holds; their
         keys and values are added to it. Without a cache the tokens are a whole sequence."""
@@ -104,14 +118,18 @@ class Transformer:
             v = (h @ w[f"layers.{i}.wv"]).reshape(steps, c.n_kv_heads, c.head_dim)
             if cache is not None:
                 cache.append(i, k, v)
-                k, v = cache.keys(i), cache.values(i)  # (start + T, K, Dh)
-            attended = self._attend(q, k, v, start, backend)  # (T, H, Dh)
+            if cache is not None and steps == 1 and hasattr(cache, "attend_decode"):
+                attended = cache.attend_decode(i, q, backend)  # the cache reads itself (paged)
+            else:
+                if cache is not None:
+                    k, v = cache.keys(i), cache.values(i)  # (start + T, K, Dh)
+                attended = self._attend(q, k, v, start, backend)  # (T, H, Dh)
             x = x + attended.reshape(steps, c.d_model) @ w[f"layers.{i}.wo"]
             h = rmsnorm(x, w[f"layers.{i}.mlp_norm"])
             gate = h @ w[f"layers.{i}.w_gate"]
             x = x + (gate / (1 + np.exp(-gate)) * (h @ w[f"layers.{i}.w_up"])) @ w[f"layers.{i}.w_down"]
         if cache is not None:
-            cache.advance(steps)
+            cache.advance(steps, tokens)
         return rmsnorm(x, w["final_norm"]) @ w["lm_head"]
 
     @staticmethod
@@ -125,6 +143,52 @@ class Transformer:
                                               v.transpose(1, 0, 2), causal=True, backend=backend)
             return np.asarray(out, np.float32).transpose(1, 0, 2)
         return _attention_after_prefix(q, k, v, start)
+
+    def decode_batch(self, tokens, caches: list, backend: backends.Backend | None = None) -> np.ndarray:
+        """One decode step for several sequences at once: token b continues caches[b]. The
+        matmuls see all the tokens together; attention reads each sequence's own cache, in one
+        paged-kernel call when the caches are views of one PagedKVCache. Returns (B, vocab)."""
+        from infra_lab.kernels import paged_attention
+        from infra_lab.kv.paged import SequenceView
+
+        tokens = np.asarray(tokens, np.int64)
+        if tokens.ndim != 1 or len(tokens) != len(caches) or not len(caches):
+            raise ValueError(f"need one token per cache; got {tokens.shape} tokens for {len(caches)} caches")
+        backend = backend or backends.current()
+        full = [cache.length for cache in caches if cache.length + 1 > self.config.context]
+        if full:
+            raise ValueError(f"a sequence of {full[0]} tokens is at the context of {self.config.context}")
+        if backend.name == "torch":  # one sequence at a time on the torch path
+            return np.stack([self.forward(tokens[b:b + 1], caches[b], backend)[0] for b in range(len(caches))])
+        c, w = self.config, self.w
+        batch = len(tokens)
+        starts = np.array([cache.length for cache in caches])
+        half = c.head_dim // 2
+        angles = starts[:, None] * (c.rope_theta ** (-np.arange(half) / half))[None, :]  # (B, Dh/2)
+        cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+        paged = all(isinstance(cache, SequenceView) and cache.cache is caches[0].cache for cache in caches)
+        x = w["embed"][tokens]  # (B, d)
+        for i in range(c.n_layers):
+            h = rmsnorm(x, w[f"layers.{i}.attn_norm"])
+            q = apply_rope((h @ w[f"layers.{i}.wq"]).reshape(batch, c.n_heads, c.head_dim), cos, sin)
+            k = apply_rope((h @ w[f"layers.{i}.wk"]).reshape(batch, c.n_kv_heads, c.head_dim), cos, sin)
+            v = (h @ w[f"layers.{i}.wv"]).reshape(batch, c.n_kv_heads, c.head_dim)
+            for b, cache in enumerate(caches):
+                cache.append(i, k[b:b + 1], v[b:b + 1])
+            if paged:
+                pool = caches[0].cache
+                tables = pool.block_table_array([cache.seq for cache in caches])
+                attended = paged_attention.paged_decode(q, pool.k[i], pool.v[i], tables, starts + 1, backend)
+            else:
+                attended = np.concatenate([self._attend(q[b:b + 1], caches[b].keys(i), caches[b].values(i),
+                                                        int(starts[b]), backend) for b in range(batch)])
+            x = x + np.asarray(attended, np.float32).reshape(batch, c.d_model) @ w[f"layers.{i}.wo"]
+            h = rmsnorm(x, w[f"layers.{i}.mlp_norm"])
+            gate = h @ w[f"layers.{i}.w_gate"]
+            x = x + (gate / (1 + np.exp(-gate)) * (h @ w[f"layers.{i}.w_up"])) @ w[f"layers.{i}.w_down"]
+        for b, cache in enumerate(caches):
+            cache.advance(1, tokens[b:b + 1])
+        return rmsnorm(x, w["final_norm"]) @ w["lm_head"]
 
     def _forward_torch(self, tokens: np.ndarray, cache, device: str) -> np.ndarray:
         import torch
