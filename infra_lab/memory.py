@@ -19,19 +19,15 @@ def _status_kib(field: str) -> int:
     raise OSError(f"{STATUS} has no {field}")
 
 
-def _fresh_pages_for_large_arrays() -> None:
-    """glibc serves large allocations with mmap and returns them on free, but raises that
-    threshold after each free, after which freed memory stays resident and is reused unseen.
-    Fix the threshold at 64 KiB so that every large array is fresh memory (mallopt(3))."""
+def _release_free_heap() -> None:
+    """Hand freed heap memory back to the OS (glibc's malloc_trim(3)), so that a call reusing it
+    has to fault its pages in again and shows up in the high-water mark. No lasting effect."""
     import ctypes
 
     try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
-
-
-_fresh_pages_for_large_arrays()  # from import on, so arrays made before a measurement are not reused unseen
 
 
 def supported() -> bool:
@@ -47,7 +43,7 @@ def peak_extra_bytes(run) -> int:
     """Bytes of resident memory `run()` needed beyond what was resident before it."""
     if not supported():
         raise OSError("peak memory needs Linux's /proc/self/clear_refs and VmHWM; not available here")
-    _fresh_pages_for_large_arrays()
+    _release_free_heap()
     before = _status_kib("VmRSS")
     CLEAR_REFS.write_text("5")
     run()
