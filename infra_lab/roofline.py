@@ -12,6 +12,9 @@ import math
 from dataclasses import dataclass
 
 from infra_lab.hardware import Device
+from infra_lab.model.config import CONFIGS
+
+TINY = CONFIGS["target"]
 
 BYTES_PER_ELEMENT: dict[str, float] = {
     "fp64": 8, "fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "int4": 0.5,
@@ -183,8 +186,8 @@ PRESETS: dict[str, ModelConfig] = {config.name: config for config in (
     _config("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000,
             "config.json of mistralai/Mixtral-8x7B-v0.1 on Hugging Face; Jiang et al., "
             "Mixtral of Experts, 2024 (8 experts, 2 per token)", n_experts=8, experts_per_token=2),
-    _config("infra-lab-tiny", 4, 128, 4, 2, 512, 256,
-            "this book's small GPT (chapter 02): byte-level vocabulary, 512-token context"),
+    _config("infra-lab-tiny", TINY.n_layers, TINY.d_model, TINY.n_heads, TINY.n_kv_heads, TINY.d_ff, TINY.vocab,
+            "this book's small GPT, infra_lab.model's target (chapter 02): bytes, 512-token context"),
 )}
 LLAMA_3_8B = PRESETS["llama-3-8b"]
 

@@ -112,10 +112,7 @@ class Transformer:
         cos, sin = rope_tables(c, start, steps)
         x = w["embed"][tokens]  # (T, d)
         for i in range(c.n_layers):
-            h = rmsnorm(x, w[f"layers.{i}.attn_norm"])
-            q = apply_rope((h @ w[f"layers.{i}.wq"]).reshape(steps, c.n_heads, c.head_dim), cos, sin)
-            k = apply_rope((h @ w[f"layers.{i}.wk"]).reshape(steps, c.n_kv_heads, c.head_dim), cos, sin)
-            v = (h @ w[f"layers.{i}.wv"]).reshape(steps, c.n_kv_heads, c.head_dim)
+            q, k, v = self._qkv(x, i, cos, sin)
             if cache is not None:
                 cache.append(i, k, v)
             if cache is not None and steps == 1 and hasattr(cache, "attend_decode"):
@@ -124,13 +121,25 @@ class Transformer:
                 if cache is not None:
                     k, v = cache.keys(i), cache.values(i)  # (start + T, K, Dh)
                 attended = self._attend(q, k, v, start, backend)  # (T, H, Dh)
-            x = x + attended.reshape(steps, c.d_model) @ w[f"layers.{i}.wo"]
-            h = rmsnorm(x, w[f"layers.{i}.mlp_norm"])
-            gate = h @ w[f"layers.{i}.w_gate"]
-            x = x + (gate / (1 + np.exp(-gate)) * (h @ w[f"layers.{i}.w_up"])) @ w[f"layers.{i}.w_down"]
+            x = self._mlp(x + attended.reshape(steps, c.d_model) @ w[f"layers.{i}.wo"], i)
         if cache is not None:
             cache.advance(steps, tokens)
         return rmsnorm(x, w["final_norm"]) @ w["lm_head"]
+
+    def _qkv(self, x: np.ndarray, i: int, cos: np.ndarray, sin: np.ndarray) -> tuple:
+        """Layer i's queries (T, H, Dh), rotated keys (T, K, Dh) and values (T, K, Dh) for x (T, d)."""
+        c, w = self.config, self.w
+        h = rmsnorm(x, w[f"layers.{i}.attn_norm"])
+        q = apply_rope((h @ w[f"layers.{i}.wq"]).reshape(len(x), c.n_heads, c.head_dim), cos, sin)
+        k = apply_rope((h @ w[f"layers.{i}.wk"]).reshape(len(x), c.n_kv_heads, c.head_dim), cos, sin)
+        return q, k, (h @ w[f"layers.{i}.wv"]).reshape(len(x), c.n_kv_heads, c.head_dim)
+
+    def _mlp(self, x: np.ndarray, i: int) -> np.ndarray:
+        """x plus layer i's SwiGLU MLP of x: (T, d) -> (T, d)."""
+        w = self.w
+        h = rmsnorm(x, w[f"layers.{i}.mlp_norm"])
+        gate = h @ w[f"layers.{i}.w_gate"]
+        return x + (gate / (1 + np.exp(-gate)) * (h @ w[f"layers.{i}.w_up"])) @ w[f"layers.{i}.w_down"]
 
     @staticmethod
     def _attend(q, k, v, start: int, backend: backends.Backend) -> np.ndarray:
@@ -167,12 +176,9 @@ class Transformer:
         angles = starts[:, None] * (c.rope_theta ** (-np.arange(half) / half))[None, :]  # (B, Dh/2)
         cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
         paged = all(isinstance(cache, SequenceView) and cache.cache is caches[0].cache for cache in caches)
-        x = w["embed"][tokens]  # (B, d)
+        x = w["embed"][tokens]  # (B, d): one new token per sequence
         for i in range(c.n_layers):
-            h = rmsnorm(x, w[f"layers.{i}.attn_norm"])
-            q = apply_rope((h @ w[f"layers.{i}.wq"]).reshape(batch, c.n_heads, c.head_dim), cos, sin)
-            k = apply_rope((h @ w[f"layers.{i}.wk"]).reshape(batch, c.n_kv_heads, c.head_dim), cos, sin)
-            v = (h @ w[f"layers.{i}.wv"]).reshape(batch, c.n_kv_heads, c.head_dim)
+            q, k, v = self._qkv(x, i, cos, sin)  # the B tokens stand where T tokens do in forward
             for b, cache in enumerate(caches):
                 cache.append(i, k[b:b + 1], v[b:b + 1])
             if paged:
@@ -182,10 +188,7 @@ class Transformer:
             else:
                 attended = np.concatenate([self._attend(q[b:b + 1], caches[b].keys(i), caches[b].values(i),
                                                         int(starts[b]), backend) for b in range(batch)])
-            x = x + np.asarray(attended, np.float32).reshape(batch, c.d_model) @ w[f"layers.{i}.wo"]
-            h = rmsnorm(x, w[f"layers.{i}.mlp_norm"])
-            gate = h @ w[f"layers.{i}.w_gate"]
-            x = x + (gate / (1 + np.exp(-gate)) * (h @ w[f"layers.{i}.w_up"])) @ w[f"layers.{i}.w_down"]
+            x = self._mlp(x + np.asarray(attended, np.float32).reshape(batch, c.d_model) @ w[f"layers.{i}.wo"], i)
         for b, cache in enumerate(caches):
             cache.advance(1, tokens[b:b + 1])
         return rmsnorm(x, w["final_norm"]) @ w["lm_head"]
