@@ -1,0 +1,164 @@
+"""Where kernels run: the one place that decides.
+
+The default is torch on a CUDA GPU when there is one, else numba on the CPU.
+`INFRA_LAB_BACKEND=numba|torch|numpy` forces a backend and `INFRA_LAB_DEVICE=cpu|cuda`
+forces torch's device. Every kernel in infra_lab has a numpy face (the reference), a numba
+face (CPU) and a torch face (GPU, and CPU as a peer); `pick` chooses among them.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import platform
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+BACKENDS: tuple[str, ...] = ("numba", "torch", "numpy")
+DEVICES: tuple[str, ...] = ("cpu", "cuda")
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested backend or device is not on this machine."""
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str  # one of BACKENDS
+    device: str  # "cpu" or "cuda"; numpy and numba are always "cpu"
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _torch_has_cuda() -> bool:
+    if not _installed("torch"):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def available() -> dict[str, tuple[str, ...]]:
+    """Backends installed here, each with the devices it can use."""
+    found: dict[str, tuple[str, ...]] = {}
+    if _installed("numba"):
+        found["numba"] = ("cpu",)
+    if _installed("torch"):
+        found["torch"] = ("cpu", "cuda") if _torch_has_cuda() else ("cpu",)
+    found["numpy"] = ("cpu",)
+    return found
+
+
+def _available_text() -> str:
+    return ", ".join(f"{name} ({'/'.join(devs)})" for name, devs in available().items())
+
+
+def resolve(name: str | None = None, device: str | None = None) -> Backend:
+    """The Backend for `name` and `device`, with None meaning the default; raises if absent."""
+    if name is not None and name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    if device is not None and device not in DEVICES:
+        raise ValueError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")
+    if name is None:
+        if device == "cuda" or (device is None and _torch_has_cuda()):
+            name = "torch"
+        elif _installed("numba"):
+            name = "numba"
+        else:
+            name = "numpy"
+    found = available()
+    if name not in found:
+        raise BackendUnavailable(
+            f"backend {name!r} is not installed here; available: {_available_text()}"
+        )
+    if device is None:
+        device = "cuda" if name == "torch" and "cuda" in found["torch"] else "cpu"
+    if device not in found[name]:
+        raise BackendUnavailable(
+            f"backend {name!r} cannot use device {device!r} here (no CUDA GPU visible); "
+            f"available: {_available_text()}"
+        )
+    return Backend(name, device)
+
+
+def _from_environment() -> Backend:
+    name = os.environ.get("INFRA_LAB_BACKEND") or None
+    device = os.environ.get("INFRA_LAB_DEVICE") or None
+    try:
+        return resolve(name, device)
+    except ValueError as err:
+        raise ValueError(f"INFRA_LAB_BACKEND={name!r} INFRA_LAB_DEVICE={device!r}: {err}") from None
+
+
+_current: Backend | None = None
+
+
+def current() -> Backend:
+    """The backend kernels use now: set by `use`, else from the environment, else the default."""
+    global _current
+    if _current is None:
+        _current = _from_environment()
+    return _current
+
+
+def use(name: str | None = None, device: str | None = None) -> Backend:
+    """Make `name` on `device` the current backend; on error the current one stays."""
+    global _current
+    _current = resolve(name, device)
+    return _current
+
+
+@contextmanager
+def using(name: str | None = None, device: str | None = None) -> Iterator[Backend]:
+    """Run a block on another backend, then restore the one before."""
+    before = current()
+    chosen = use(name, device)
+    try:
+        yield chosen
+    finally:
+        use(before.name, before.device)
+
+
+def pick(faces: Mapping[str, Callable], backend: Backend | None = None) -> Callable:
+    """The face of a kernel for `backend` (default: the current one)."""
+    backend = backend or current()
+    if backend.name not in faces:
+        raise BackendUnavailable(
+            f"this kernel has no {backend.name!r} face; it has {', '.join(faces)}"
+        )
+    return faces[backend.name]
+
+
+def threads() -> int:
+    """CPU threads the kernels may use (numba's setting when numba is installed)."""
+    if _installed("numba"):
+        import numba
+
+        return numba.get_num_threads()
+    return os.cpu_count() or 1
+
+
+def _version(module: str) -> str | None:
+    if not _installed(module):
+        return None
+    return getattr(importlib.import_module(module), "__version__", "?")
+
+
+def describe() -> str:
+    """One line: where kernels run, on what, with which versions."""
+    chosen = current()
+    where = chosen.device
+    if chosen.device == "cuda":
+        import torch
+
+        where = f"cuda ({torch.cuda.get_device_name(0)})"
+    else:
+        where = f"cpu ({platform.machine()}, {threads()} threads)"
+    versions = [f"python {platform.python_version()}"]
+    for module in ("numpy", "numba", "torch"):
+        version = _version(module)
+        versions.append(f"{module} {version if version else 'not installed'}")
+    return f"infra_lab backend: {chosen.name} on {where} | " + ", ".join(versions)

@@ -1,0 +1,58 @@
+"""Authoring helpers for the book's notebooks: the Colab setup cell and the committed form.
+
+The repository URL is set once, in `_config.yml` (`repository.url`). Every notebook's first
+code cell installs infra_lab from there when it is missing (as on a fresh Colab runtime) and
+prints where kernels run. `tidy` rewrites that cell and strips outputs for committing.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+import yaml
+
+from infra_lab.grading import notebooks
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SETUP_MARK = "# Setup: installs infra_lab"
+
+
+def repository_url(config_path: Path = REPO_ROOT / "_config.yml") -> str:
+    config = yaml.safe_load(config_path.read_text(encoding="utf-8"))
+    try:
+        return config["repository"]["url"].rstrip("/")
+    except (KeyError, TypeError, AttributeError):
+        raise ValueError(f"{config_path}: set repository.url, the book's one repository URL") from None
+
+
+def setup_cell_source(url: str) -> str:
+    return (
+        f"{SETUP_MARK} when it is missing (a fresh Colab runtime), then says where kernels run.\n"
+        "import importlib.util, subprocess, sys\n"
+        'if importlib.util.find_spec("infra_lab") is None:\n'
+        f'    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "infra-lab @ git+{url}"], check=True)\n'
+        "from infra_lab import backend\n"
+        "print(backend.describe())"
+    )
+
+
+def first_code_cell(notebook: nbformat.NotebookNode) -> nbformat.NotebookNode | None:
+    return next((cell for cell in notebook.cells if cell.cell_type == "code"), None)
+
+
+def tidy(path: Path, url: str, write: bool = True) -> bool:
+    """Put `path` in committed form; return whether anything changed."""
+    notebook = notebooks.read(path)
+    before = notebooks.dumps(notebook)
+    cell = first_code_cell(notebook)
+    if cell is None or not cell.source.startswith(SETUP_MARK):
+        at = notebook.cells.index(cell) if cell is not None else len(notebook.cells)
+        cell = nbformat.v4.new_code_cell("")
+        notebook.cells.insert(at, cell)
+    cell.source = setup_cell_source(url)
+    notebooks.stamp(notebook)
+    notebooks.strip_outputs(notebook)
+    after = notebooks.dumps(notebook)
+    if write and after != before:
+        path.write_text(after, encoding="utf-8")
+    return after != before

@@ -1,0 +1,157 @@
+"""Seeded property checks of a student's function against the reference implementation.
+
+Each check draws random cases from a generator seeded by the check's name, calls the reference
+and the student's function on copies of the same arguments, and compares the results. The
+printed line is deterministic, so a notebook can keep it as the cell's expected output.
+"""
+from __future__ import annotations
+
+import copy
+import importlib
+import math
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str  # "chNN.exercise"
+    reference: Callable
+    draw_case: Callable[[np.random.Generator], tuple]  # one tuple of positional arguments
+    n_cases: int = 24
+    rtol: float = 1e-6
+    atol: float = 1e-9
+    drive: Callable | None = None  # drive(obj, *case) -> result, for classes and stateful exercises
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    name: str
+    passed: int
+    total: int
+    first_failure: str | None
+
+    @property
+    def line(self) -> str:
+        verdict = "PASS" if self.passed == self.total else "FAIL"
+        tail = f": {self.first_failure}" if self.first_failure else ""
+        return f"{verdict} {self.name} {self.passed}/{self.total}{tail}"
+
+
+_REGISTRY: dict[str, Check] = {}
+_RESULTS: list[CheckResult] = []
+_CHAPTER_MODULES = {f"ch{n:02d}": f"infra_lab.grading.ch{n:02d}" for n in range(4)}
+
+
+def register(spec: Check) -> Check:
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def _lookup(name: str) -> Check:
+    chapter = name.split(".")[0]
+    if chapter in _CHAPTER_MODULES:
+        importlib.import_module(_CHAPTER_MODULES[chapter])
+    if name not in _REGISTRY:
+        raise KeyError(f"no check named {name!r}; known checks: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name]
+
+
+def known_checks() -> list[str]:
+    for module in _CHAPTER_MODULES.values():
+        importlib.import_module(module)
+    return sorted(_REGISTRY)
+
+
+def short_repr(value: object, limit: int = 120) -> str:
+    """A deterministic, bounded repr: floats to 6 significant digits, long sequences cut."""
+    if isinstance(value, (float, np.floating)):
+        text = "nan" if math.isnan(value) else f"{float(value):.6g}"
+    elif isinstance(value, np.ndarray):
+        text = f"array(shape={value.shape}, dtype={value.dtype})"
+    elif isinstance(value, tuple):
+        text = "(" + ", ".join(short_repr(item, limit) for item in value) + ("," if len(value) == 1 else "") + ")"
+    elif isinstance(value, list):
+        shown = ", ".join(short_repr(item, limit) for item in value[:6])
+        text = f"[{shown}{', ...' if len(value) > 6 else ''}]"
+    elif isinstance(value, (int, str, bool, type(None), np.integer)):
+        text = repr(value)
+    else:
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _close(expected: object, got: object, spec: Check) -> bool:
+    if isinstance(expected, (str, type(None), dict)):
+        return type(got) is type(expected) and got == expected
+    if isinstance(expected, (tuple, list)):
+        if not isinstance(got, (tuple, list, np.ndarray)) or len(got) != len(expected):
+            return False
+        return all(_close(e, g, spec) for e, g in zip(expected, got))
+    try:
+        expected_array = np.asarray(expected, dtype=float)
+        got_array = np.asarray(got, dtype=float)
+    except (TypeError, ValueError):
+        return False
+    if expected_array.shape != got_array.shape:
+        return False
+    return bool(np.allclose(got_array, expected_array, rtol=spec.rtol, atol=spec.atol, equal_nan=True))
+
+
+def _difference(expected: object, got: object) -> str:
+    """Where two equal-shaped arrays (or tuples of them) differ most, for the failure line."""
+    if isinstance(expected, (tuple, list)) and isinstance(got, (tuple, list)) and len(got) == len(expected):
+        for position, (e, g) in enumerate(zip(expected, got)):
+            detail = _difference(e, g)
+            if detail:
+                return f"; item {position}{detail}"
+        return ""
+    try:
+        e, g = np.asarray(expected, dtype=float), np.asarray(got, dtype=float)
+    except (TypeError, ValueError):
+        return ""
+    if e.shape != g.shape or e.size < 2:
+        return ""
+    gap = np.abs(np.nan_to_num(e - g, nan=np.inf))
+    worst = np.unravel_index(int(np.argmax(gap)), gap.shape)
+    return f" (largest gap at index {tuple(int(i) for i in worst)}: got {short_repr(g[worst])}, expected {short_repr(e[worst])})"
+
+
+def _run(spec: Check, candidate: object) -> CheckResult:
+    if not callable(candidate):
+        return CheckResult(spec.name, 0, spec.n_cases,
+                           f"expected a function, got {type(candidate).__name__}")
+    rng = np.random.default_rng(zlib.crc32(spec.name.encode()))
+    cases: Sequence[tuple] = [spec.draw_case(rng) for _ in range(spec.n_cases)]
+    function_name = spec.name.split(".", 1)[1]
+    passed, first_failure = 0, None
+    run = (lambda obj, case: spec.drive(obj, *case)) if spec.drive else (lambda obj, case: obj(*case))
+    for args in cases:
+        expected = run(spec.reference, copy.deepcopy(args))
+        call = f"{function_name}{short_repr(tuple(args), 120)}"
+        try:
+            got = run(candidate, copy.deepcopy(args))
+        except Exception as error:  # the student's bug is the finding, not a crash
+            failure = f"{call} raised {type(error).__name__}: {error}"
+        else:
+            if _close(expected, got, spec):
+                passed += 1
+                continue
+            failure = f"{call} returned {short_repr(got)}, expected {short_repr(expected)}" + _difference(expected, got)
+        first_failure = first_failure or failure.splitlines()[0][:400]
+    return CheckResult(spec.name, passed, spec.n_cases, first_failure)
+
+
+def check(name: str, candidate: object) -> None:
+    """Check `candidate` against the reference for exercise `name` and print one line."""
+    result = _run(_lookup(name), candidate)
+    _RESULTS.append(result)
+    print(result.line)
+
+
+def results() -> list[CheckResult]:
+    """Every check run in this process, in order (the grader reads these)."""
+    return list(_RESULTS)

@@ -1,0 +1,282 @@
+"""The roofline model: FLOPs against bytes for the ops an LLM runs, and which roof binds.
+
+A kernel doing F FLOPs while moving B bytes has arithmetic intensity F/B (FLOP/byte). On a
+device with peak P FLOP/s and bandwidth W bytes/s it needs at least max(F/P, B/W) seconds and
+is memory-bound when F/B < P/W, the ridge point (Williams, Waterman and Patterson, "Roofline",
+CACM 2009). Byte counts here are the compulsory traffic: each operand read once, each result
+written once, as if caches were perfect; real kernels move at least this much.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from infra_lab.hardware import Device
+from infra_lab.model.config import CONFIGS
+
+TINY = CONFIGS["target"]
+
+BYTES_PER_ELEMENT: dict[str, float] = {
+    "fp64": 8, "fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "int4": 0.5,
+}
+
+
+def bytes_per_element(dtype: str) -> float:
+    if dtype not in BYTES_PER_ELEMENT:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(BYTES_PER_ELEMENT)}")
+    return BYTES_PER_ELEMENT[dtype]
+
+
+def _positive(**sizes: float) -> None:
+    for name, value in sizes.items():
+        if not value > 0:
+            raise ValueError(f"{name} must be > 0; got {value}")
+
+
+@dataclass(frozen=True)
+class Cost:
+    flops: float
+    bytes: float
+
+    @property
+    def intensity(self) -> float:  # FLOP/byte
+        return self.flops / self.bytes
+
+    def __add__(self, other: Cost) -> Cost:
+        return Cost(self.flops + other.flops, self.bytes + other.bytes)
+
+
+# ---- the ops ---------------------------------------------------------------------------
+
+def gemm(m: int, n: int, k: int, dtype: str) -> Cost:
+    """(m, k) @ (k, n) -> (m, n): 2mnk FLOPs; read both operands, write the result."""
+    _positive(m=m, n=n, k=k)
+    return Cost(2 * m * n * k, (m * k + k * n + m * n) * bytes_per_element(dtype))
+
+
+def gemv(n_out: int, n_in: int, dtype: str) -> Cost:
+    """(n_out, n_in) @ (n_in,): a GEMM with one column, about 2 FLOPs per weight read."""
+    return gemm(n_out, 1, n_in, dtype)
+
+
+def attention_prefill(seq_len: int, n_heads: int, head_dim: int, dtype: str,
+                      n_kv_heads: int | None = None, causal: bool = True) -> Cost:
+    """softmax(Q K^T) V over a whole prompt, fused (FlashAttention-style: the L x L scores
+    never reach memory). FLOPs: QK^T and PV, 2 * 2 * L^2 * d per head, halved when causal."""
+    n_kv_heads = n_kv_heads or n_heads
+    _positive(seq_len=seq_len, n_heads=n_heads, head_dim=head_dim, n_kv_heads=n_kv_heads)
+    pairs = seq_len * (seq_len + 1) / 2 if causal else seq_len * seq_len
+    flops = 4 * pairs * head_dim * n_heads
+    elements = seq_len * head_dim * (2 * n_heads + 2 * n_kv_heads)  # Q, O; K, V
+    return Cost(flops, elements * bytes_per_element(dtype))
+
+
+def attention_decode(context: int, n_heads: int, head_dim: int, dtype: str,
+                     n_kv_heads: int | None = None, batch: int = 1) -> Cost:
+    """One new query per sequence against `context` cached keys and values: every cached
+    byte is read to do 4 FLOPs per element per query head sharing it."""
+    n_kv_heads = n_kv_heads or n_heads
+    _positive(context=context, n_heads=n_heads, head_dim=head_dim, n_kv_heads=n_kv_heads, batch=batch)
+    flops = 4 * context * head_dim * n_heads * batch
+    elements = batch * (2 * context * n_kv_heads * head_dim + 2 * n_heads * head_dim)
+    return Cost(flops, elements * bytes_per_element(dtype))
+
+
+def elementwise(n_elements: int, dtype: str, n_inputs: int = 2, flops_per_element: float = 1) -> Cost:
+    """An op like add or SiLU: `n_inputs` arrays read, one written."""
+    _positive(n_elements=n_elements, n_inputs=n_inputs)
+    return Cost(flops_per_element * n_elements,
+                (n_inputs + 1) * n_elements * bytes_per_element(dtype))
+
+
+def rmsnorm(n_tokens: int, d_model: int, dtype: str) -> Cost:
+    """x / rms(x) * g: about 4 FLOPs per element (square, sum, scale, gain)."""
+    _positive(n_tokens=n_tokens, d_model=d_model)
+    return Cost(4 * n_tokens * d_model, (2 * n_tokens * d_model + d_model) * bytes_per_element(dtype))
+
+
+# ---- the roofs -------------------------------------------------------------------------
+
+def ridge_point(device: Device, dtype: str) -> float:
+    """FLOP/byte above which `device` is compute-bound for `dtype`."""
+    return device.flops(dtype) / device.memory_bandwidth
+
+
+def attainable_flops(intensity: float, device: Device, dtype: str) -> float:
+    """min(peak, intensity * bandwidth): the roofline itself."""
+    _positive(intensity=intensity)
+    return min(device.flops(dtype), intensity * device.memory_bandwidth)
+
+
+def time_lower_bound(cost: Cost, device: Device, dtype: str) -> tuple[float, str]:
+    """(seconds, "compute" or "memory"): the larger of the two roofs' times, and which it is."""
+    compute_s = cost.flops / device.flops(dtype)
+    memory_s = cost.bytes / device.memory_bandwidth
+    return (compute_s, "compute") if compute_s >= memory_s else (memory_s, "memory")
+
+
+def fraction_of_roof(cost: Cost, seconds: float, device: Device, dtype: str) -> float:
+    """Achieved FLOP/s over the roof at this intensity (for memory-bound kernels: achieved
+    bandwidth over the measured bandwidth)."""
+    _positive(seconds=seconds)
+    return cost.flops / seconds / attainable_flops(cost.intensity, device, dtype)
+
+
+# ---- transformer steps -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    d_ff: int  # SwiGLU hidden size: gate, up and down projections
+    vocab: int
+    source: str
+    n_experts: int = 1  # mixture of experts: MLPs per layer
+    experts_per_token: int = 1
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def attention_params(self) -> int:  # per layer: q, o (d x d); k, v (d x kv_width)
+        return self.d_model * (2 * self.d_model + 2 * self.n_kv_heads * self.head_dim)
+
+    @property
+    def expert_params(self) -> int:  # one SwiGLU MLP
+        return 3 * self.d_model * self.d_ff
+
+    @property
+    def router_params(self) -> int:
+        return self.d_model * self.n_experts if self.n_experts > 1 else 0
+
+    @property
+    def total_params(self) -> int:
+        """Every weight, the embedding table and LM head included."""
+        per_layer = self.attention_params + self.n_experts * self.expert_params + self.router_params
+        return self.n_layers * per_layer + 2 * self.vocab * self.d_model
+
+    @property
+    def active_params(self) -> int:
+        """Weights one token multiplies (the embedding is only indexed, not multiplied)."""
+        per_layer = self.attention_params + self.experts_per_token * self.expert_params + self.router_params
+        return self.n_layers * per_layer + self.vocab * self.d_model
+
+    def experts_touched(self, tokens: int) -> float:
+        """Expected distinct experts per layer that `tokens` tokens route to, under uniform
+        routing: E * (1 - (1 - k/E)^tokens)."""
+        e, k = self.n_experts, self.experts_per_token
+        return e * (1 - (1 - k / e) ** tokens) if e > 1 else 1.0
+
+
+def _config(name, n_layers, d_model, n_heads, n_kv_heads, d_ff, vocab, source, **moe) -> ModelConfig:
+    return ModelConfig(name, n_layers, d_model, n_heads, n_kv_heads, d_ff, vocab, source, **moe)
+
+
+PRESETS: dict[str, ModelConfig] = {config.name: config for config in (
+    _config("llama-2-7b", 32, 4096, 32, 32, 11008, 32000,
+            "config.json of meta-llama/Llama-2-7b-hf on Hugging Face"),
+    _config("llama-3-8b", 32, 4096, 32, 8, 14336, 128256,
+            "config.json of meta-llama/Meta-Llama-3-8B on Hugging Face"),
+    _config("llama-3-70b", 80, 8192, 64, 8, 28672, 128256,
+            "config.json of meta-llama/Meta-Llama-3-70B on Hugging Face"),
+    _config("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000,
+            "config.json of mistralai/Mixtral-8x7B-v0.1 on Hugging Face; Jiang et al., "
+            "Mixtral of Experts, 2024 (8 experts, 2 per token)", n_experts=8, experts_per_token=2),
+    _config("infra-lab-tiny", TINY.n_layers, TINY.d_model, TINY.n_heads, TINY.n_kv_heads, TINY.d_ff, TINY.vocab,
+            "this book's small GPT, infra_lab.model's target (chapter 02): bytes, 512-token context"),
+)}
+LLAMA_3_8B = PRESETS["llama-3-8b"]
+
+
+def preset(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise KeyError(f"unknown model {name!r}; presets: {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: str) -> float:
+    """K and V for every layer: 2 * n_layers * n_kv_heads * head_dim elements."""
+    return 2 * config.n_layers * config.n_kv_heads * config.head_dim * bytes_per_element(dtype)
+
+
+def step_cost(config: ModelConfig, batch: int, new_tokens: int, context: int, dtype: str) -> Cost:
+    """One forward step: `batch` sequences each add `new_tokens` after `context` cached ones.
+
+    Prefill of a P-token prompt is (batch=1, new_tokens=P, context=0); a decode step is
+    (batch=B, new_tokens=1, context=C). Bytes count the weights read once (for a mixture of
+    experts, only the experts some token routes to), the KV cache read and the new KV
+    written; activations are left out, which flatters only tiny steps.
+    """
+    for label, value, least in (("batch", batch, 1), ("new_tokens", new_tokens, 1),
+                                ("context", context, 0)):
+        if value < least:
+            raise ValueError(f"{label} must be >= {least}; got {value}")
+    element = bytes_per_element(dtype)
+    tokens = batch * new_tokens
+    attended = new_tokens * context + new_tokens * (new_tokens + 1) / 2  # per sequence
+    attention_flops = 4 * config.n_layers * config.d_model * attended * batch  # QK^T and PV
+    flops = 2 * tokens * config.active_params + attention_flops
+    weights = config.n_layers * (config.attention_params + config.router_params
+                                 + config.experts_touched(tokens) * config.expert_params) \
+        + config.vocab * config.d_model
+    kv_traffic = batch * (context + new_tokens) * kv_bytes_per_token(config, dtype)
+    return Cost(flops=flops, bytes=weights * element + kv_traffic)
+
+
+def critical_batch(config: ModelConfig, device: Device, dtype: str, context: int = 0) -> float:
+    """Smallest decode batch whose step is compute-bound on `device`; math.inf if none is
+    (when the KV cache read per sequence outweighs the weights each sequence shares)."""
+    ridge = ridge_point(device, dtype)
+
+    def compute_bound(batch: int) -> bool:
+        return step_cost(config, batch, 1, context, dtype).intensity >= ridge
+
+    high = 1
+    while not compute_bound(high):
+        high *= 2
+        if high > 2**24:
+            return math.inf
+    low = high // 2  # not compute-bound (or 0)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if compute_bound(middle) else (middle, high)
+    return high
+
+
+# ---- the picture -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Point:
+    label: str
+    intensity: float  # FLOP/byte
+    flops_per_s: float  # achieved, or the bound
+
+
+def plot(roofs: list[tuple[Device, str]], points: list[Point] = (), ax=None,
+         intensity_range: tuple[float, float] = (0.05, 2e4), title: str | None = None):
+    """Log-log roofline: one roof per (device, dtype), and labelled points. Returns the axes."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 4.2))
+    intensity = np.logspace(np.log10(intensity_range[0]), np.log10(intensity_range[1]), 300)
+    for device, dtype in roofs:
+        roof = np.minimum(device.flops(dtype), intensity * device.memory_bandwidth)
+        line, = ax.loglog(intensity, roof, label=f"{device.name}, {dtype}")
+        ridge = ridge_point(device, dtype)
+        ax.axvline(ridge, color=line.get_color(), ls=":", lw=0.8)
+    for point in points:
+        ax.loglog([point.intensity], [point.flops_per_s], "o", ms=6)
+        ax.annotate(point.label, (point.intensity, point.flops_per_s), fontsize=8,
+                    xytext=(4, -10), textcoords="offset points")
+    ax.set_xlabel("arithmetic intensity (FLOP/byte)")
+    ax.set_ylabel("FLOP/s")
+    ax.legend(fontsize=8, loc="upper left")
+    if title:
+        ax.set_title(title, fontsize=10)
+    return ax

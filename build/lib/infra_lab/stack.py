@@ -1,0 +1,113 @@
+"""The AI-infrastructure stack, and the first measurements of where the silicon sits idle.
+
+A request's latency splits into prefill (the whole prompt in one pass, which sets the time to
+first token, TTFT) and decode (one token per step, which sets the time per output token, TPOT).
+A device can be "busy" by a utilization counter and still idle most of the time: between
+kernels (execution-idle), or inside memory-bound kernels whose arithmetic units wait for bytes.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from infra_lab import backend as backends
+from infra_lab.kernels.gemv import gemv
+
+
+@dataclass(frozen=True)
+class Layer:
+    name: str
+    examples: str
+    chapters: tuple[str, ...]  # book chapter numbers that build this layer
+
+
+STACK: tuple[Layer, ...] = (
+    Layer("Serving and orchestration", "routers, autoscalers, priorities, hot reload; "
+          "prefill/decode disaggregation", ("06",)),
+    Layer("Inference engine", "schedulers, continuous batching, paged and radix KV caches, "
+          "speculative decoding", ("03", "04", "05", "07")),
+    Layer("Training systems", "ZeRO, data/tensor/pipeline parallelism, RL post-training",
+          ("10", "11")),
+    Layer("Model and framework", "the transformer, attention kernels, MoE layers, "
+          "quantized formats; PyTorch", ("02", "08", "09")),
+    Layer("System software", "CUDA/ROCm, compilers (numba, Triton), collectives (NCCL, gloo)",
+          ("00",)),
+    Layer("Hardware", "GPU/TPU compute units, HBM, interconnects; their roofline", ("01",)),
+)
+
+
+def decode_intensity(n_params: float, batch: int, bytes_per_param: float) -> float:
+    """FLOP/byte of the weight matmuls in one decode step: each of `batch` tokens does 2 FLOPs
+    per parameter, while every parameter is read from memory once."""
+    return 2 * n_params * batch / (n_params * bytes_per_param)
+
+
+def ttft_tpot(arrival_s: float, token_times_s: list[float]) -> tuple[float, float]:
+    """(TTFT, TPOT) in seconds for one request.
+
+    TTFT is the first token's time minus the arrival; TPOT is the mean gap between later
+    tokens, (last - first) / (n - 1), and 0.0 for a one-token answer.
+    """
+    if not token_times_s:
+        raise ValueError("a request needs at least one output token; got none")
+    ttft = token_times_s[0] - arrival_s
+    if len(token_times_s) == 1:
+        return ttft, 0.0
+    return ttft, (token_times_s[-1] - token_times_s[0]) / (len(token_times_s) - 1)
+
+
+def idle_fraction(intervals: list[tuple[float, float]], start_s: float, end_s: float) -> float:
+    """Fraction of the window [start_s, end_s] in which no kernel runs.
+
+    `intervals` are (begin, end) kernel executions; they may overlap (several streams) and may
+    stick out of the window, so the busy time is the length of their union inside it.
+    """
+    if not end_s > start_s:
+        raise ValueError(f"the window needs end_s > start_s; got [{start_s}, {end_s}]")
+    busy, reach = 0.0, start_s
+    for begin, end in sorted(intervals):
+        begin, end = max(begin, reach), min(end, end_s)
+        if end > begin:
+            busy += end - begin
+            reach = end
+    return 1.0 - busy / (end_s - start_s)
+
+
+def decode_timeline(width: int, n_layers: int = 8, steps: int = 20,
+                    seed: int = 0) -> tuple[list[tuple[float, float]], float, float]:
+    """Run a toy batch-1 decode for real and record when kernels ran.
+
+    Each step pushes a vector through `n_layers` GEMVs of width x width (fp32) on the current
+    backend, with the host-side work of a real loop in between (a nonlinearity and picking the
+    next input). On a GPU the weights stay on the device and each kernel is timed to its
+    completion. Returns the kernel (begin, end) intervals and the window, in seconds.
+    """
+    if width < 1 or n_layers < 1 or steps < 1:
+        raise ValueError(f"width, n_layers and steps must be >= 1; got {width}, {n_layers}, {steps}")
+    rng = np.random.default_rng(seed)
+    weights = [(rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32)
+               for _ in range(n_layers)]  # each (width, width)
+    x = rng.standard_normal(width).astype(np.float32)  # (width,)
+    current = backends.current()
+    nonlinearity, synchronize = np.tanh, lambda: None
+    if current.name == "torch":
+        import torch
+
+        weights = [torch.from_numpy(w).to(current.device) for w in weights]
+        x, nonlinearity = torch.from_numpy(x).to(current.device), torch.tanh
+        if current.device == "cuda":
+            synchronize = torch.cuda.synchronize
+    gemv(weights[0], x)  # compile or warm up before timing
+    synchronize()
+    intervals: list[tuple[float, float]] = []
+    start = time.perf_counter()
+    for _ in range(steps):
+        for w in weights:
+            begin = time.perf_counter()
+            y = gemv(w, x)
+            synchronize()
+            intervals.append((begin, time.perf_counter()))
+            x = nonlinearity(y)  # host work between kernels
+    return intervals, start, time.perf_counter()
