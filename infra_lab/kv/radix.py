@@ -1,0 +1,190 @@
+"""The radix KV cache: a radix tree over token sequences whose edges hold the KV slots of their
+tokens, shared by every request with that prefix (Zheng et al., "SGLang: Efficient Execution of
+Structured Language Model Programs", 2024: RadixAttention).
+
+`match_prefix` finds the longest cached prefix (splitting an edge where a match ends inside it),
+`insert` adds a sequence and hands the slots it already had back to the allocator, `lock` and
+`unlock` pin a request's path, and `evict` frees least-recently-used unpinned leaves, walking up
+as parents become leaves.
+"""
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+
+import numpy as np
+
+EMPTY = np.zeros(0, np.int64)
+
+
+class Node:
+    __slots__ = ("children", "parent", "key", "slots", "lock_refs", "last_access")
+
+    def __init__(self, key: np.ndarray, slots: np.ndarray, parent: Node | None, last_access: int = 0):
+        self.children: dict[int, Node] = {}
+        self.parent = parent
+        self.key = key  # (n,) token ids on the edge into this node
+        self.slots = slots  # (n,) KV slots holding those tokens
+        self.lock_refs = 0
+        self.last_access = last_access
+
+
+def _common_length(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
+
+
+class RadixCache:
+    def __init__(self, free_slots: Callable[[np.ndarray], None] = lambda slots: None):
+        self.root = Node(EMPTY, EMPTY, None)
+        self.root.lock_refs = 1  # never evicted
+        self.free_slots = free_slots  # where slots the tree lets go of are returned
+        self.clock = 0
+        self.total_size = 0  # tokens cached
+        self.locked_size = 0  # tokens on locked paths
+
+    @property
+    def evictable_size(self) -> int:
+        return self.total_size - self.locked_size
+
+    def peek_prefix(self, tokens) -> int:
+        """How many leading tokens are cached, without splitting edges or touching the LRU
+        clock (for schedulers that only look)."""
+        tokens = np.asarray(tokens, np.int64)
+        node, position = self.root, 0
+        while position < len(tokens):
+            child = node.children.get(int(tokens[position]))
+            if child is None:
+                break
+            shared = _common_length(child.key, tokens[position:])
+            position += shared
+            if shared < len(child.key):
+                break
+            node = child
+        return position
+
+    def match_prefix(self, tokens) -> tuple[int, np.ndarray, Node]:
+        """(matched length, the KV slots of the matched tokens, the node the match ends at)."""
+        tokens = np.asarray(tokens, np.int64)
+        self.clock += 1
+        node, position, pieces = self.root, 0, []
+        while position < len(tokens):
+            child = node.children.get(int(tokens[position]))
+            if child is None:
+                break
+            shared = _common_length(child.key, tokens[position:])
+            if shared < len(child.key):
+                child = self._split(child, shared)
+            child.last_access = self.clock
+            pieces.append(child.slots)
+            position += shared
+            node = child
+            if shared < len(child.key):
+                break
+        return position, np.concatenate(pieces) if pieces else EMPTY, node
+
+    def _split(self, child: Node, at: int) -> Node:
+        """Cut child's edge after `at` tokens; the new upper node is returned."""
+        upper = Node(child.key[:at], child.slots[:at], child.parent, child.last_access)
+        upper.lock_refs = child.lock_refs
+        upper.children = {int(child.key[at]): child}
+        child.parent.children[int(child.key[0])] = upper
+        child.key, child.slots, child.parent = child.key[at:], child.slots[at:], upper
+        return upper
+
+    def insert(self, tokens, slots) -> int:
+        """Cache `tokens` with their KV `slots`; return how many were cached already. The slots
+        given for those go back to the allocator: the tree keeps its own."""
+        tokens, slots = np.asarray(tokens, np.int64), np.asarray(slots, np.int64)
+        if tokens.shape != slots.shape or tokens.ndim != 1:
+            raise ValueError(f"need one KV slot per token; got {tokens.shape} tokens and {slots.shape} slots")
+        matched, _, node = self.match_prefix(tokens)
+        if matched:
+            self.free_slots(slots[:matched])
+        if matched < len(tokens):
+            leaf = Node(tokens[matched:].copy(), slots[matched:].copy(), node, self.clock)
+            node.children[int(tokens[matched])] = leaf
+            self.total_size += len(leaf.key)
+        return matched
+
+    def lock(self, node: Node) -> None:
+        """Pin node's path to the root for a request in flight."""
+        while node is not self.root:
+            if node.lock_refs == 0:
+                self.locked_size += len(node.key)
+            node.lock_refs += 1
+            node = node.parent
+
+    def unlock(self, node: Node) -> None:
+        if node is self.root or node.lock_refs == 0:
+            raise ValueError("unlock of a node that is not locked")
+        while node is not self.root:
+            node.lock_refs -= 1
+            if node.lock_refs == 0:
+                self.locked_size -= len(node.key)
+            node = node.parent
+
+    def evict(self, n_tokens: int) -> int:
+        """Free at least `n_tokens` (whole leaves, least recently used first) or as many as no
+        request holds; return how many were freed."""
+        if n_tokens < 0:
+            raise ValueError(f"cannot evict {n_tokens} tokens")
+        leaves = [(leaf.last_access, id(leaf), leaf) for leaf in self._leaves() if leaf.lock_refs == 0]
+        heapq.heapify(leaves)
+        freed = 0
+        while freed < n_tokens and leaves:
+            _, _, leaf = heapq.heappop(leaves)
+            self.free_slots(leaf.slots)
+            freed += len(leaf.key)
+            self.total_size -= len(leaf.key)
+            parent = leaf.parent
+            del parent.children[int(leaf.key[0])]
+            if parent is not self.root and not parent.children and parent.lock_refs == 0:
+                heapq.heappush(leaves, (parent.last_access, id(parent), parent))
+        return freed
+
+    def _leaves(self):
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            else:
+                yield node
+
+
+# ---- cache-aware scheduling: the order in which waiting requests are admitted ---------------
+
+def fcfs(requests: list) -> list[int]:
+    """First come, first served: indices in arrival order."""
+    return list(range(len(requests)))
+
+
+def longest_prefix_first(requests: list, cache: RadixCache) -> list[int]:
+    """Requests whose prompts the cache already holds most of go first (ties keep arrival order)."""
+    matched = [cache.peek_prefix(tokens) for tokens in requests]
+    return sorted(range(len(requests)), key=lambda i: -matched[i])
+
+
+def dfs_weight(requests: list) -> list[int]:
+    """SGLang's DFS-weight order: lay the waiting prompts out as a tree and walk it depth first,
+    heaviest subtree (most requests) first, so requests that share a prefix run back to back."""
+    trie: dict = {}
+    for index, tokens in enumerate(requests):
+        node = trie
+        for token in list(tokens):
+            node = node.setdefault(int(token), {})
+        node.setdefault(None, []).append(index)  # requests ending here
+
+    def weight(node: dict) -> int:
+        return len(node.get(None, [])) + sum(weight(child) for key, child in node.items() if key is not None)
+
+    order: list[int] = []
+    stack = [trie]
+    while stack:
+        node = stack.pop()
+        order.extend(node.get(None, []))
+        children = sorted((child for key, child in node.items() if key is not None), key=weight)
+        stack.extend(children)  # heaviest last, so it is popped first
+    return order
