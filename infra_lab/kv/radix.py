@@ -170,21 +170,18 @@ def longest_prefix_first(requests: list, cache: RadixCache) -> list[int]:
 def dfs_weight(requests: list) -> list[int]:
     """SGLang's DFS-weight order: lay the waiting prompts out as a tree and walk it depth first,
     heaviest subtree (most requests) first, so requests that share a prefix run back to back."""
-    trie: dict = {}
+    root: dict = {"weight": 0, "ends": [], "children": {}}
     for index, tokens in enumerate(requests):
-        node = trie
+        node = root
+        node["weight"] += 1
         for token in list(tokens):
-            node = node.setdefault(int(token), {})
-        node.setdefault(None, []).append(index)  # requests ending here
-
-    def weight(node: dict) -> int:
-        return len(node.get(None, [])) + sum(weight(child) for key, child in node.items() if key is not None)
-
+            node = node["children"].setdefault(int(token), {"weight": 0, "ends": [], "children": {}})
+            node["weight"] += 1  # requests passing through this node
+        node["ends"].append(index)
     order: list[int] = []
-    stack = [trie]
+    stack = [root]
     while stack:
         node = stack.pop()
-        order.extend(node.get(None, []))
-        children = sorted((child for key, child in node.items() if key is not None), key=weight)
-        stack.extend(children)  # heaviest last, so it is popped first
+        order.extend(node["ends"])
+        stack.extend(sorted(node["children"].values(), key=lambda child: child["weight"]))  # heaviest on top
     return order

@@ -1,0 +1,144 @@
+"""Request streams that share prefixes, and how much of their prefill a prefix cache saves.
+
+Each workload is a list of prompts (token arrays) in arrival order; the generators are seeded
+and their shapes are documented with each function. Lengths are deliberately not multiples of
+16, as real prompts are not: block hashing can only share whole blocks, the radix tree any prefix. `serve` admits them in batches of
+`batch` waiting requests, in the order a scheduling policy picks, through a radix cache of
+`capacity` tokens (chapter 04) or chapter 03's paged cache with block-hash prefix sharing, and
+counts prompt tokens served from the cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from infra_lab.kv import radix
+from infra_lab.kv.paged import PagedKVCache
+
+VOCAB = 50_000
+
+
+def _tokens(rng: np.random.Generator, n: int) -> np.ndarray:
+    return rng.integers(0, VOCAB, size=n)
+
+
+def few_shot(n_requests: int = 400, n_templates: int = 4, examples: int = 8, example_len: int = 61,
+             question_len: int = 30, seed: int = 0) -> list[np.ndarray]:
+    """`n_templates` few-shot prompts of `examples` x `example_len` shared tokens; every request
+    takes one template and adds its own `question_len`-token question."""
+    rng = np.random.default_rng(seed)
+    templates = [_tokens(rng, examples * example_len) for _ in range(n_templates)]
+    return [np.concatenate([templates[rng.integers(n_templates)], _tokens(rng, question_len)]) for _ in range(n_requests)]
+
+
+def multi_turn(n_sessions: int = 40, turns: int = 6, system_len: int = 70, user_len: int = 25,
+               answer_len: int = 50, seed: int = 0) -> list[np.ndarray]:
+    """Chat sessions sharing one system prompt; turn t of a session sends the whole history
+    (system, earlier questions and answers) plus a new question. Sessions interleave at random."""
+    rng = np.random.default_rng(seed)
+    system = _tokens(rng, system_len)
+    histories = [system.copy() for _ in range(n_sessions)]
+    remaining = [turns] * n_sessions
+    requests = []
+    while any(remaining):
+        session = int(rng.choice([s for s in range(n_sessions) if remaining[s]]))
+        prompt = np.concatenate([histories[session], _tokens(rng, user_len)])
+        requests.append(prompt)
+        histories[session] = np.concatenate([prompt, _tokens(rng, answer_len)])  # the answer joins the history
+        remaining[session] -= 1
+    return requests
+
+
+def tree_of_thought(n_trees: int = 20, branching: int = 3, depth: int = 3, question_len: int = 120,
+                    thought_len: int = 30, seed: int = 0) -> list[np.ndarray]:
+    """Each tree: a question, then `branching` thoughts per node to `depth`; every node's path
+    is a request, breadth first within a tree."""
+    rng = np.random.default_rng(seed)
+    requests = []
+    for _ in range(n_trees):
+        level = [_tokens(rng, question_len)]
+        requests.extend(level)
+        for _ in range(depth):
+            level = [np.concatenate([path, _tokens(rng, thought_len)]) for path in level for _ in range(branching)]
+            requests.extend(level)
+    return requests
+
+
+def control(n_requests: int = 400, length: int = 300, seed: int = 0) -> list[np.ndarray]:
+    """No sharing at all: every prompt is new."""
+    rng = np.random.default_rng(seed)
+    return [_tokens(rng, length) for _ in range(n_requests)]
+
+
+WORKLOADS = {"few-shot": few_shot, "multi-turn": multi_turn, "tree-of-thought": tree_of_thought, "control": control}
+POLICIES = ("fcfs", "longest-prefix", "dfs-weight")
+
+
+@dataclass(frozen=True)
+class Served:
+    prompt_tokens: int
+    cached_tokens: int  # served from the cache
+    hit_rates: list[float]  # per batch, in order
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens
+
+    @property
+    def prefill_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+
+def _order(policy: str, waiting: list[np.ndarray], cache: radix.RadixCache) -> list[int]:
+    if policy == "fcfs":
+        return radix.fcfs(waiting)
+    if policy == "longest-prefix":
+        return radix.longest_prefix_first(waiting, cache)
+    if policy == "dfs-weight":
+        return radix.dfs_weight(waiting)
+    raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+
+
+def serve(requests: list[np.ndarray], capacity: int, policy: str = "fcfs", batch: int = 16) -> Served:
+    """Radix cache of `capacity` tokens: each batch is admitted in the policy's order; every
+    request matches its prefix, then its prompt is cached, evicting LRU leaves to stay in budget."""
+    if capacity < max(len(r) for r in requests):
+        raise ValueError(f"capacity {capacity} is smaller than the longest prompt, {max(len(r) for r in requests)}")
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    cache, next_slot = radix.RadixCache(), 0
+    total = cached = 0
+    rates = []
+    for first in range(0, len(requests), max(batch, 1)):
+        waiting = requests[first:first + batch]
+        batch_total = batch_cached = 0
+        for index in _order(policy, waiting, cache):
+            tokens = waiting[index]
+            matched, _, _ = cache.match_prefix(tokens)
+            batch_total, batch_cached = batch_total + len(tokens), batch_cached + matched
+            overflow = cache.total_size + len(tokens) - matched - capacity
+            if overflow > 0:
+                cache.evict(overflow)
+            cache.insert(tokens, np.arange(next_slot, next_slot + len(tokens)))
+            next_slot += len(tokens)
+        total, cached = total + batch_total, cached + batch_cached
+        rates.append(batch_cached / batch_total)
+    return Served(total, cached, rates)
+
+
+def serve_block_hashing(requests: list[np.ndarray], capacity: int, block_size: int = 16) -> Served:
+    """Chapter 03's prefix sharing: only whole blocks whose chained hash matches are reused;
+    freed blocks stay cached until the pool needs them (FCFS)."""
+    pool = PagedKVCache(1, 1, 1, capacity // block_size, block_size, prefix_sharing=True)
+    total = cached = 0
+    rates = []
+    for tokens in requests:
+        seq = pool.new_sequence()
+        matched = pool.match_prefix(seq, tokens)
+        pool.reserve(seq, len(tokens) - matched)
+        pool.commit(seq, tokens[matched:])
+        pool.free(seq)
+        total, cached = total + len(tokens), cached + matched
+        rates.append(matched / len(tokens))
+    return Served(total, cached, rates)

@@ -1,0 +1,35 @@
+"""The hit-rate bars of the radix chapter, on the generated workloads."""
+import numpy as np
+import pytest
+
+from infra_lab.kv import workloads
+
+
+def test_few_shot_with_room_for_the_shared_examples_serves_80_percent_from_cache():
+    requests = workloads.few_shot()
+    served = workloads.serve(requests, capacity=4 * 8 * 61 + 2048)  # the 4 templates fit, with room
+    assert served.hit_rate >= 0.80
+
+
+def test_multi_turn_under_pressure_longest_prefix_is_at_least_fcfs():
+    requests = workloads.multi_turn()
+    fcfs = workloads.serve(requests, capacity=3000, policy="fcfs")
+    longest = workloads.serve(requests, capacity=3000, policy="longest-prefix")
+    assert longest.hit_rate >= fcfs.hit_rate
+
+
+def test_the_control_shares_nothing_and_the_tree_shares_more_than_block_hashing():
+    assert workloads.serve(workloads.control(), capacity=8192).hit_rate == 0
+    for make in (workloads.few_shot, workloads.multi_turn, workloads.tree_of_thought):
+        requests = make()
+        radix = workloads.serve(requests, capacity=1 << 20)
+        hashed = workloads.serve_block_hashing(requests, capacity=1 << 20)
+        assert radix.cached_tokens >= hashed.cached_tokens
+        assert radix.prefill_tokens == radix.prompt_tokens - radix.cached_tokens
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError, match="unknown policy 'random'"):
+        workloads.serve([np.arange(10)], 100, policy="random")
+    with pytest.raises(ValueError, match="capacity 5 is smaller than the longest prompt, 10"):
+        workloads.serve([np.arange(10)], 5)
