@@ -1,7 +1,6 @@
 """Roofline arithmetic against brute-force counts and published figures."""
 import math
 
-import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 

@@ -121,7 +121,6 @@ def drive_cow(function, block_size, script):
 def gather_kv(pool, table, length):
     """Reference: the first `length` rows of a sequence, (length, n_kv_heads, head_dim), from
     pool (num_blocks, block_size, n_kv_heads, head_dim) through its block table."""
-    block_size = pool.shape[1]
     return np.concatenate([pool[block] for block in table])[:length] if length else pool[:0, 0]
 
 

@@ -142,7 +142,7 @@ def paged_decode_torch(q, k_pool, v_pool, block_tables, lengths):
     if not isinstance(lengths, torch.Tensor):
         lengths = torch.as_tensor(np.asarray(lengths), device=q.device)
     batch, n_heads, d = q.shape
-    block_size, n_kv = k_pool.shape[1], k_pool.shape[2]
+    n_kv = k_pool.shape[2]
     safe = block_tables.clamp(min=0)
     keys = k_pool[safe].reshape(batch, -1, n_kv, d).permute(0, 2, 1, 3)  # (B, K, max_len, D)
     values = v_pool[safe].reshape(batch, -1, n_kv, d).permute(0, 2, 1, 3)

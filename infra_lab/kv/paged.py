@@ -280,5 +280,9 @@ class SequenceView:
                                             np.array([self.length + self._pending]), backend)
 
     def advance(self, steps: int, tokens=None) -> None:
-        self.cache.commit(self.seq, tokens if tokens is not None else [-1] * steps)
+        if tokens is None:
+            if self.cache.prefix_sharing:
+                raise ValueError("prefix sharing hashes the tokens: advance(steps, tokens) needs the token ids")
+            tokens = [-1] * steps  # positions only; nothing will be hashed
+        self.cache.commit(self.seq, tokens)
         self._pending = 0
