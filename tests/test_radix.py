@@ -118,3 +118,14 @@ def test_every_order_is_a_permutation(requests):
             cache.insert(tokens, np.arange(len(tokens)))
     for order in (radix.fcfs(requests), radix.dfs_weight(requests), radix.longest_prefix_first(requests, cache)):
         assert sorted(order) == list(range(len(requests)))
+
+
+def test_insert_hands_back_only_duplicates_not_the_trees_own_slots():
+    freed = []
+    cache = RadixCache(free_slots=lambda slots: freed.extend(slots.tolist()))
+    cache.insert([1, 2, 3], [10, 11, 12])
+    _, prefix_slots, _ = cache.match_prefix([1, 2])
+    # a request that reused the tree's slots for [1, 2] and computed 3, 4 into slots 20, 21
+    assert cache.insert([1, 2, 3, 4], np.concatenate([prefix_slots, [20, 21]])) == 3
+    assert freed == [20]  # its copy of token 3; slots 10 and 11 stay the tree's
+    assert cache.match_prefix([1, 2, 3, 4])[1].tolist() == [10, 11, 12, 21]

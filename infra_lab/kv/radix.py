@@ -94,14 +94,16 @@ class RadixCache:
         return upper
 
     def insert(self, tokens, slots) -> int:
-        """Cache `tokens` with their KV `slots`; return how many were cached already. The slots
-        given for those go back to the allocator: the tree keeps its own."""
+        """Cache `tokens` with their KV `slots`; return how many were cached already. For those,
+        the tree keeps its own slots, and given slots that duplicate them go back to the
+        allocator (a request that reused the tree's slots for its prefix hands back none)."""
         tokens, slots = np.asarray(tokens, np.int64), np.asarray(slots, np.int64)
         if tokens.shape != slots.shape or tokens.ndim != 1:
             raise ValueError(f"need one KV slot per token; got {tokens.shape} tokens and {slots.shape} slots")
-        matched, _, node = self.match_prefix(tokens)
-        if matched:
-            self.free_slots(slots[:matched])
+        matched, cached_slots, node = self.match_prefix(tokens)
+        duplicates = slots[:matched][slots[:matched] != cached_slots]
+        if len(duplicates):
+            self.free_slots(duplicates)
         if matched < len(tokens):
             leaf = Node(tokens[matched:].copy(), slots[matched:].copy(), node, self.clock)
             node.children[int(tokens[matched])] = leaf

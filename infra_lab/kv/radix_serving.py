@@ -1,0 +1,195 @@
+"""Serving the book's model through a radix cache: one KV slot per token in a shared pool (as in
+SGLang), with the tree holding the slots of every finished request so the next request that
+starts the same way prefills only what is new.
+
+Each request: match its prompt (all but the last token, whose logits are needed) in the tree,
+lock the matched path, take slots for the rest (evicting least-recently-used leaves when the pool
+is short), prefill the unmatched tail after the cached prefix, decode greedily, then insert the
+prompt and answer into the tree and unlock. Without the tree, every request prefills its whole
+prompt into slots it frees at the end.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from infra_lab import backend as backends
+from infra_lab.kv.radix import RadixCache
+from infra_lab.model import corpus, tokenizer
+
+
+class OutOfSlots(RuntimeError):
+    """The pool cannot supply the slots asked for; nothing was allocated."""
+
+
+class SlotPool:
+    """KV memory for `n_slots` tokens: K and V each (n_layers, n_slots, n_kv_heads, head_dim),
+    numpy's or a torch factory's (`zeros`), and the ids of the free slots."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_slots: int, zeros=None):
+        if n_slots < 1:
+            raise ValueError(f"the pool needs at least one slot; got n_slots={n_slots}")
+        shape = (n_layers, n_slots, n_kv_heads, head_dim)
+        self.k = zeros(shape) if zeros else np.zeros(shape, np.float32)
+        self.v = zeros(shape) if zeros else np.zeros(shape, np.float32)
+        self.n_slots = n_slots
+        self.free_ids: list[int] = list(range(n_slots - 1, -1, -1))  # a stack: lowest id on top
+        self.in_use = np.zeros(n_slots, bool)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_ids)
+
+    def allocate(self, n: int) -> np.ndarray:
+        """n slots, all or nothing."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} slots")
+        if n > len(self.free_ids):
+            raise OutOfSlots(f"need {n} slots but only {len(self.free_ids)} of {self.n_slots} are free")
+        slots = np.array(self.free_ids[len(self.free_ids) - n:][::-1], np.int64)
+        del self.free_ids[len(self.free_ids) - n:]
+        self.in_use[slots] = True
+        return slots
+
+    def free(self, slots) -> None:
+        slots = np.asarray(slots, np.int64)
+        bad = slots[(slots < 0) | (slots >= self.n_slots)]
+        if len(bad):
+            raise ValueError(f"slot {bad[0]} is outside the pool of {self.n_slots}")
+        if not self.in_use[slots].all() or len(np.unique(slots)) != len(slots):
+            raise ValueError(f"slot {slots[~self.in_use[slots]][0] if not self.in_use[slots].all() else slots[0]} "
+                             "is already free")
+        self.in_use[slots] = False
+        self.free_ids.extend(slots[::-1].tolist())
+
+    def index(self, slots: np.ndarray):
+        """slots as an index into k and v (a tensor on the pool's device for torch)."""
+        if isinstance(self.k, np.ndarray):
+            return slots
+        import torch
+
+        return torch.as_tensor(slots, device=self.k.device)
+
+
+class SlotSequence:
+    """One request's KV through the model's cache interface: token t lives in slot slots[t]. The
+    first `length` slots already hold the cached prefix; the rest are the request's own."""
+
+    def __init__(self, pool: SlotPool, slots: np.ndarray, length: int):
+        self.pool, self.slots, self.length = pool, np.asarray(slots, np.int64), length
+        self._pending = 0
+
+    def append(self, layer: int, k, v) -> None:  # k, v: (T, n_kv_heads, head_dim)
+        steps = k.shape[0]
+        if self.length + steps > len(self.slots):
+            raise ValueError(f"{self.length} cached + {steps} new tokens exceed the {len(self.slots)} slots taken")
+        rows = self.pool.index(self.slots[self.length:self.length + steps])
+        self.pool.k[layer, rows], self.pool.v[layer, rows] = k, v
+        self._pending = steps
+
+    def keys(self, layer: int):  # (length + T, n_kv_heads, head_dim)
+        return self.pool.k[layer, self.pool.index(self.slots[:self.length + self._pending])]
+
+    def values(self, layer: int):
+        return self.pool.v[layer, self.pool.index(self.slots[:self.length + self._pending])]
+
+    def advance(self, steps: int, tokens=None) -> None:
+        self.length += steps
+        self._pending = 0
+
+
+@dataclass(frozen=True)
+class ModelServed:
+    outputs: list[list[int]]  # greedy tokens per request
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens whose KV came from the tree
+    prefill_seconds: float  # in the prefill forward passes only
+    seconds: float  # the whole run
+    evicted_tokens: int
+    slots_in_use: int  # at the end: the tree's tokens (none without a tree)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens
+
+    @property
+    def prefill_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+
+def serve_model(model, prompts: list, max_new_tokens: int, n_slots: int, radix: bool = True,
+                backend: backends.Backend | None = None, cache: RadixCache | None = None) -> ModelServed:
+    """Greedy answers to `prompts` (text or token ids), one request after another, from a pool of
+    `n_slots` KV slots, through a radix cache (`cache`, or a new RadixCache) or without one."""
+    encoded = [list(tokenizer.encode(p)) if isinstance(p, (str, bytes)) else [int(t) for t in p] for p in prompts]
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
+    if not encoded or min(len(t) for t in encoded) < 1:
+        raise ValueError("need at least one prompt, and every prompt needs at least one token")
+    longest = max(len(t) for t in encoded) + max_new_tokens - 1  # slots one request holds
+    if longest + 1 > model.config.context:
+        raise ValueError(f"the longest prompt plus {max_new_tokens} new tokens exceeds the context of "
+                         f"{model.config.context}")
+    if n_slots < longest:
+        raise ValueError(f"n_slots={n_slots} cannot hold one request: the longest needs {longest}")
+    backend = backend or backends.current()
+    c = model.config
+    zeros = None
+    if backend.name == "torch":
+        import torch
+
+        zeros = lambda shape: torch.zeros(shape, device=backend.device)  # noqa: E731
+    pool = SlotPool(c.n_layers, c.n_kv_heads, c.head_dim, n_slots, zeros)
+    tree = (cache if cache is not None else RadixCache()) if radix else None
+    if tree is not None:
+        tree.free_slots = pool.free
+    outputs, cached, evicted, prefill_seconds = [], 0, 0, 0.0
+    started = time.perf_counter()
+    for tokens in encoded:
+        matched, prefix_slots, node = tree.match_prefix(tokens[:-1]) if tree else (0, np.zeros(0, np.int64), None)
+        if tree:
+            tree.lock(node)
+        try:
+            need = len(tokens) - matched + max_new_tokens - 1
+            if tree and need > pool.num_free:
+                evicted += tree.evict(need - pool.num_free)
+            seq = SlotSequence(pool, np.concatenate([prefix_slots, pool.allocate(need)]), matched)
+            prefill_started = time.perf_counter()
+            out = [int(np.argmax(model.forward(tokens[matched:], seq, backend)[-1]))]
+            prefill_seconds += time.perf_counter() - prefill_started
+            for _ in range(max_new_tokens - 1):
+                out.append(int(np.argmax(model.forward(out[-1:], seq, backend)[-1])))
+            computed = tokens + out[:-1]  # the last answer token has no KV yet
+            if tree:
+                tree.insert(computed, seq.slots)  # keeps the new slots, hands back duplicates
+            else:
+                pool.free(seq.slots)
+        finally:
+            if tree and node is not tree.root:
+                tree.unlock(node)
+        outputs.append(out)
+        cached += matched
+    return ModelServed(outputs, sum(len(t) for t in encoded), cached, prefill_seconds,
+                       time.perf_counter() - started, evicted, n_slots - pool.num_free)
+
+
+def shared_prefix_prompts(n_prompts: int = 24, n_prefixes: int = 3, prefix_bytes: int = 320,
+                          seed: int = 0) -> list[bytes]:
+    """Prompts of real Python that share prefixes, from the validation modules (held out of
+    training): `n_prefixes` module openings of `prefix_bytes` bytes, each request one of them plus
+    a `def` line from the same module, in a seeded random order."""
+    if not 1 <= n_prefixes <= len(corpus.VALIDATION):
+        raise ValueError(f"n_prefixes must be in [1, {len(corpus.VALIDATION)}]; got {n_prefixes}")
+    rng = np.random.default_rng(seed)
+    root = corpus.stdlib_root()
+    sources = [(root / name).read_bytes() for name in corpus.VALIDATION[:n_prefixes]]
+    defs = [[line.strip() + b"\n" for line in source.splitlines() if line.strip().startswith(b"def ")]
+            for source in sources]
+    prompts = []
+    for _ in range(n_prompts):
+        which = int(rng.integers(n_prefixes))
+        line = defs[which][int(rng.integers(len(defs[which])))][:120]
+        prompts.append(sources[which][:prefix_bytes] + b"\n\n" + line + b"    ")
+    return prompts

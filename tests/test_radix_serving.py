@@ -1,0 +1,75 @@
+"""The real model served through the radix cache: same tokens, less prefill, exact slot accounting."""
+import numpy as np
+import pytest
+
+from infra_lab import backend, model
+from infra_lab.kv import radix_serving
+from infra_lab.kv.radix import RadixCache
+
+
+@pytest.fixture(scope="module")
+def target():
+    return model.load("target")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return radix_serving.shared_prefix_prompts(10, n_prefixes=2, seed=1)
+
+
+@pytest.fixture(scope="module")
+def without(target, prompts):
+    return radix_serving.serve_model(target, prompts, 12, 4096, radix=False)
+
+
+def test_the_tree_gives_the_same_tokens_and_skips_the_cached_prefill(target, prompts, without):
+    cache = RadixCache()
+    served = radix_serving.serve_model(target, prompts, 12, 4096, cache=cache)
+    assert served.outputs == without.outputs
+    assert without.cached_tokens == 0 and without.slots_in_use == 0
+    assert served.hit_rate > 0.5  # two 320-byte openings shared by ten prompts
+    assert served.prefill_tokens == served.prompt_tokens - served.cached_tokens
+    assert served.slots_in_use == cache.total_size  # every slot is the tree's or free
+    assert cache.locked_size == 0  # nothing left pinned
+    assert served.cached_tokens <= served.prompt_tokens - len(prompts[0])  # the first request cannot hit
+
+
+def test_under_pressure_the_tree_evicts_and_the_tokens_stay_the_same(target, prompts, without):
+    cache = RadixCache()
+    served = radix_serving.serve_model(target, prompts, 12, 500, cache=cache)
+    assert served.evicted_tokens > 0
+    assert served.outputs == without.outputs
+    assert served.slots_in_use == cache.total_size <= 500
+
+
+def test_torch_path_agrees(target, prompts, without):
+    served = radix_serving.serve_model(target, prompts[:4], 12, 1000, backend=backend.resolve("torch", "cpu"))
+    assert served.outputs == without.outputs[:4]
+
+
+def test_pool_allocates_all_or_nothing_and_names_bad_frees():
+    pool = radix_serving.SlotPool(1, 1, 2, 4)
+    slots = pool.allocate(3)
+    assert slots.tolist() == [0, 1, 2] and pool.num_free == 1
+    with pytest.raises(radix_serving.OutOfSlots, match="need 2 slots but only 1 of 4"):
+        pool.allocate(2)
+    assert pool.num_free == 1
+    pool.free(slots[:1])
+    with pytest.raises(ValueError, match="slot 0 is already free"):
+        pool.free([0])
+    with pytest.raises(ValueError, match="slot 9 is outside the pool of 4"):
+        pool.free([9])
+    assert pool.num_free == 2
+    with pytest.raises(ValueError, match="at least one slot"):
+        radix_serving.SlotPool(1, 1, 2, 0)
+
+
+def test_bad_requests_are_named(target):
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        radix_serving.serve_model(target, ["x"], 0, 100)
+    with pytest.raises(ValueError, match="n_slots=10 cannot hold one request: the longest needs 20"):
+        radix_serving.serve_model(target, [np.arange(5)], 16, 10)
+    with pytest.raises(ValueError, match="exceeds the context of 512"):
+        radix_serving.serve_model(target, [np.zeros(500, int)], 16, 1000)
+    with pytest.raises(ValueError, match="n_prefixes must be in"):
+        radix_serving.shared_prefix_prompts(4, n_prefixes=0)
