@@ -33,3 +33,24 @@ def test_bad_input_is_named():
         workloads.serve([np.arange(10)], 100, policy="random")
     with pytest.raises(ValueError, match="capacity 5 is smaller than the longest prompt, 10"):
         workloads.serve([np.arange(10)], 5)
+
+
+def test_per_batch_series_add_up():
+    requests = workloads.multi_turn()
+    for served in (workloads.serve(requests, 1500), workloads.serve_block_hashing(requests, 1504)):
+        assert len(served.hit_rates) == len(served.evictions) == -(-len(requests) // 16)
+        assert sum(served.evictions) > 0  # 1,500 tokens cannot hold 40 growing chats
+    big = workloads.serve(requests, 1 << 20)
+    assert sum(big.evictions) == 0
+
+
+def test_mix_draws_from_each_workload_in_proportion():
+    mixed = workloads.mix({"few-shot": 3, "control": 1}, n_requests=400, seed=2)
+    assert len(mixed) == 400
+    control_like = sum(len(r) == 300 for r in mixed)  # control prompts are 300 tokens, few-shot 518
+    assert 60 <= control_like <= 140
+    assert workloads.mix({"control": 1}, 10, seed=0)[0].tolist() == workloads.control(seed=1)[0].tolist()
+    with pytest.raises(ValueError, match="weights must be non-negative"):
+        workloads.mix({"chat": 1})
+    with pytest.raises(ValueError, match="weights must be non-negative"):
+        workloads.mix({"control": 0})

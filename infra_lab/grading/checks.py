@@ -43,7 +43,7 @@ class CheckResult:
 
 _REGISTRY: dict[str, Check] = {}
 _RESULTS: list[CheckResult] = []
-_CHAPTER_MODULES = {f"ch{n:02d}": f"infra_lab.grading.ch{n:02d}" for n in range(4)}
+_CHAPTER_MODULES = {f"ch{n:02d}": f"infra_lab.grading.ch{n:02d}" for n in range(5)}
 
 
 def register(spec: Check) -> Check:
@@ -101,23 +101,33 @@ def _close(expected: object, got: object, spec: Check) -> bool:
     return bool(np.allclose(got_array, expected_array, rtol=spec.rtol, atol=spec.atol, equal_nan=True))
 
 
-def _difference(expected: object, got: object) -> str:
-    """Where two equal-shaped arrays (or tuples of them) differ most, for the failure line."""
-    if isinstance(expected, (tuple, list)) and isinstance(got, (tuple, list)) and len(got) == len(expected):
-        for position, (e, g) in enumerate(zip(expected, got)):
-            detail = _difference(e, g)
-            if detail:
-                return f"; item {position}{detail}"
-        return ""
+def _difference(expected: object, got: object, spec: Check) -> str:
+    """Where the first mismatch lies, for the failure line: the path of item numbers down to it,
+    and the values there (for equal-shaped arrays, the largest gap)."""
+    path: list[str] = []  # "[i]", with the entry's label when it starts with one (a drive's step)
+    while isinstance(expected, (tuple, list)) and isinstance(got, (tuple, list)):
+        common = min(len(expected), len(got))
+        first = next((i for i in range(common) if not _close(expected[i], got[i], spec)), None)
+        if first is None:
+            if len(expected) == len(got):
+                return ""
+            return f"; item {''.join(path) or '[]'} has {len(got)} entries, expected {len(expected)}"
+        expected, got = expected[first], got[first]
+        labelled = isinstance(expected, (tuple, list)) and expected and isinstance(expected[0], str)
+        path.append(f"[{first}] ({expected[0]})" if labelled else f"[{first}]")
+    where = "item " + "".join(path)
     try:
         e, g = np.asarray(expected, dtype=float), np.asarray(got, dtype=float)
     except (TypeError, ValueError):
-        return ""
-    if e.shape != g.shape or e.size < 2:
-        return ""
-    gap = np.abs(np.nan_to_num(e - g, nan=np.inf))
-    worst = np.unravel_index(int(np.argmax(gap)), gap.shape)
-    return f" (largest gap at index {tuple(int(i) for i in worst)}: got {short_repr(g[worst])}, expected {short_repr(e[worst])})"
+        e = g = None
+    if e is not None and e.shape == g.shape and e.size >= 2:
+        gap = np.abs(np.nan_to_num(e - g, nan=np.inf))
+        worst = np.unravel_index(int(np.argmax(gap)), gap.shape)
+        return (f"; {where if path else 'result'} largest gap at index {tuple(int(i) for i in worst)}: "
+                f"got {short_repr(g[worst])}, expected {short_repr(e[worst])}")
+    if path:
+        return f"; first difference at {where}: got {short_repr(got)}, expected {short_repr(expected)}"
+    return ""
 
 
 def _run(spec: Check, candidate: object) -> CheckResult:
@@ -131,7 +141,7 @@ def _run(spec: Check, candidate: object) -> CheckResult:
     run = (lambda obj, case: spec.drive(obj, *case)) if spec.drive else (lambda obj, case: obj(*case))
     for args in cases:
         expected = run(spec.reference, copy.deepcopy(args))
-        call = f"{function_name}{short_repr(tuple(args), 120)}"
+        call = f"{function_name}{short_repr(tuple(args), 100)}"
         try:
             got = run(candidate, copy.deepcopy(args))
         except Exception as error:  # the student's bug is the finding, not a crash
@@ -140,8 +150,9 @@ def _run(spec: Check, candidate: object) -> CheckResult:
             if _close(expected, got, spec):
                 passed += 1
                 continue
-            failure = f"{call} returned {short_repr(got)}, expected {short_repr(expected)}" + _difference(expected, got)
-        first_failure = first_failure or failure.splitlines()[0][:400]
+            failure = (f"{call} returned {short_repr(got, 80)}, expected {short_repr(expected, 80)}"
+                       + _difference(expected, got, spec))
+        first_failure = first_failure or failure.splitlines()[0][:600]
     return CheckResult(spec.name, passed, spec.n_cases, first_failure)
 
 

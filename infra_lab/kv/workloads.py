@@ -72,6 +72,29 @@ def control(n_requests: int = 400, length: int = 300, seed: int = 0) -> list[np.
 
 
 WORKLOADS = {"few-shot": few_shot, "multi-turn": multi_turn, "tree-of-thought": tree_of_thought, "control": control}
+
+
+def mix(weights: dict[str, float], n_requests: int = 600, seed: int = 0) -> list[np.ndarray]:
+    """`n_requests` drawn from several workloads: each next request comes from workload w with
+    probability weights[w] (normalized), and each workload's requests keep their own order."""
+    unknown = sorted(set(weights) - set(WORKLOADS))
+    if unknown or not weights or min(weights.values()) < 0 or sum(weights.values()) <= 0:
+        raise ValueError(f"weights must be non-negative, not all zero, over {', '.join(WORKLOADS)}; got {weights}")
+    rng = np.random.default_rng(seed)
+    names = list(weights)
+    p = np.array([weights[name] for name in names], float)
+    streams = {name: iter(WORKLOADS[name](seed=seed + 1 + i)) for i, name in enumerate(names) if weights[name] > 0}
+    requests = []
+    while len(requests) < n_requests and streams:
+        live = [name for name in names if name in streams]
+        chances = np.array([p[names.index(name)] for name in live])
+        name = live[int(rng.choice(len(live), p=chances / chances.sum()))]
+        request = next(streams[name], None)
+        if request is None:
+            del streams[name]  # that workload ran out; the others go on
+        else:
+            requests.append(request)
+    return requests
 POLICIES = ("fcfs", "longest-prefix", "dfs-weight")
 
 
@@ -80,6 +103,7 @@ class Served:
     prompt_tokens: int
     cached_tokens: int  # served from the cache
     hit_rates: list[float]  # per batch, in order
+    evictions: list[int]  # tokens evicted per batch, in order
 
     @property
     def hit_rate(self) -> float:
@@ -109,36 +133,43 @@ def serve(requests: list[np.ndarray], capacity: int, policy: str = "fcfs", batch
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     cache, next_slot = radix.RadixCache(), 0
     total = cached = 0
-    rates = []
+    rates, evictions = [], []
     for first in range(0, len(requests), max(batch, 1)):
         waiting = requests[first:first + batch]
-        batch_total = batch_cached = 0
+        batch_total = batch_cached = batch_evicted = 0
         for index in _order(policy, waiting, cache):
             tokens = waiting[index]
             matched, _, _ = cache.match_prefix(tokens)
             batch_total, batch_cached = batch_total + len(tokens), batch_cached + matched
             overflow = cache.total_size + len(tokens) - matched - capacity
             if overflow > 0:
-                cache.evict(overflow)
+                batch_evicted += cache.evict(overflow)
             cache.insert(tokens, np.arange(next_slot, next_slot + len(tokens)))
             next_slot += len(tokens)
         total, cached = total + batch_total, cached + batch_cached
         rates.append(batch_cached / batch_total)
-    return Served(total, cached, rates)
+        evictions.append(batch_evicted)
+    return Served(total, cached, rates, evictions)
 
 
-def serve_block_hashing(requests: list[np.ndarray], capacity: int, block_size: int = 16) -> Served:
+def serve_block_hashing(requests: list[np.ndarray], capacity: int, block_size: int = 16, batch: int = 16) -> Served:
     """Chapter 03's prefix sharing: only whole blocks whose chained hash matches are reused;
-    freed blocks stay cached until the pool needs them (FCFS)."""
+    freed blocks stay cached until the pool needs them (least recently freed first), in arrival
+    order. Rates and evictions are summed per `batch` requests, as `serve` reports them."""
     pool = PagedKVCache(1, 1, 1, capacity // block_size, block_size, prefix_sharing=True)
     total = cached = 0
-    rates = []
-    for tokens in requests:
-        seq = pool.new_sequence()
-        matched = pool.match_prefix(seq, tokens)
-        pool.reserve(seq, len(tokens) - matched)
-        pool.commit(seq, tokens[matched:])
-        pool.free(seq)
-        total, cached = total + len(tokens), cached + matched
-        rates.append(matched / len(tokens))
-    return Served(total, cached, rates)
+    rates, evictions = [], []
+    for first in range(0, len(requests), max(batch, 1)):
+        batch_total = batch_cached = batch_evicted = 0
+        for tokens in requests[first:first + batch]:
+            seq = pool.new_sequence()
+            matched = pool.match_prefix(seq, tokens)
+            pool.reserve(seq, len(tokens) - matched)
+            batch_evicted += len(pool.allocator.evicted) * block_size  # cached blocks taken back
+            pool.commit(seq, tokens[matched:])
+            pool.free(seq)
+            batch_total, batch_cached = batch_total + len(tokens), batch_cached + matched
+        total, cached = total + batch_total, cached + batch_cached
+        rates.append(batch_cached / batch_total)
+        evictions.append(batch_evicted)
+    return Served(total, cached, rates, evictions)
