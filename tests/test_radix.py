@@ -129,3 +129,16 @@ def test_insert_hands_back_only_duplicates_not_the_trees_own_slots():
     assert cache.insert([1, 2, 3, 4], np.concatenate([prefix_slots, [20, 21]])) == 3
     assert freed == [20]  # its copy of token 3; slots 10 and 11 stay the tree's
     assert cache.match_prefix([1, 2, 3, 4])[1].tolist() == [10, 11, 12, 21]
+
+
+def test_lines_show_the_tree_depth_first_in_token_order():
+    cache = RadixCache()
+    cache.insert([1, 2, 3], [0, 1, 2])
+    cache.insert([1, 2, 9, 9, 9, 9, 9], [5, 6, 7, 8, 9, 10, 11])
+    cache.insert([0], [20])
+    assert cache.lines() == [
+        "[0]  slots [20], lock_refs 0, last_access 3",
+        "[1, 2]  slots [0, 1], lock_refs 0, last_access 2",
+        "    [3]  slots [2], lock_refs 0, last_access 1",
+        "    [9, 9, 9, 9, 9]  slots [7..11], lock_refs 0, last_access 2",
+    ]

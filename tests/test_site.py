@@ -98,7 +98,7 @@ def test_chapter_figures_and_source_listings_are_present(browser, site_url):
     page.close()
 
 
-@pytest.mark.parametrize("chapter", ["ch00_stack", "ch01_roofline", "ch02_attention", "ch03_paged_kv"])
+@pytest.mark.parametrize("chapter", ["ch00_stack", "ch01_roofline", "ch02_attention", "ch03_paged_kv", "ch04_radix_kv"])
 def test_every_chapter_has_figures_source_and_an_explorer(browser, site_url, chapter):
     page, _ = open_page(browser, f"{site_url}/book/{chapter}.html")
     widths = page.eval_on_selector_all("img", "imgs => imgs.map(i => i.naturalWidth)")

@@ -54,3 +54,12 @@ def test_mix_draws_from_each_workload_in_proportion():
         workloads.mix({"chat": 1})
     with pytest.raises(ValueError, match="weights must be non-negative"):
         workloads.mix({"control": 0})
+
+
+def test_per_request_matches_sum_to_the_totals():
+    requests = workloads.tree_of_thought()
+    for served in (workloads.serve(requests, 2000, "dfs-weight"), workloads.serve_block_hashing(requests, 2000)):
+        assert len(served.matches) == len(requests)
+        assert sum(p for p, _ in served.matches) == served.prompt_tokens
+        assert sum(m for _, m in served.matches) == served.cached_tokens
+        assert all(0 <= m <= p for p, m in served.matches)

@@ -146,6 +146,19 @@ class RadixCache:
                 heapq.heappush(leaves, (parent.last_access, id(parent), parent))
         return freed
 
+    def lines(self, show: Callable[[np.ndarray], str] = lambda key: str(key.tolist())) -> list[str]:
+        """The tree as indented text, one line per node, children in token order: the edge's
+        tokens through `show`, then its slots, lock count and last access."""
+        out, stack = [], [(child, 0) for _, child in sorted(self.root.children.items(), reverse=True)]
+        while stack:
+            node, depth = stack.pop()
+            slots = node.slots.tolist()
+            shown = slots if len(slots) <= 4 else f"[{slots[0]}..{slots[-1]}]"
+            out.append(f"{'    ' * depth}{show(node.key)}  slots {shown}, lock_refs {node.lock_refs}, "
+                       f"last_access {node.last_access}")
+            stack.extend((child, depth + 1) for _, child in sorted(node.children.items(), reverse=True))
+        return out
+
     def _leaves(self):
         stack = list(self.root.children.values())
         while stack:

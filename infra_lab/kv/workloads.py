@@ -104,6 +104,7 @@ class Served:
     cached_tokens: int  # served from the cache
     hit_rates: list[float]  # per batch, in order
     evictions: list[int]  # tokens evicted per batch, in order
+    matches: list[tuple[int, int]]  # (prompt tokens, tokens served from the cache) per request, as admitted
 
     @property
     def hit_rate(self) -> float:
@@ -133,13 +134,14 @@ def serve(requests: list[np.ndarray], capacity: int, policy: str = "fcfs", batch
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     cache, next_slot = radix.RadixCache(), 0
     total = cached = 0
-    rates, evictions = [], []
+    rates, evictions, matches = [], [], []
     for first in range(0, len(requests), max(batch, 1)):
         waiting = requests[first:first + batch]
         batch_total = batch_cached = batch_evicted = 0
         for index in _order(policy, waiting, cache):
             tokens = waiting[index]
             matched, _, _ = cache.match_prefix(tokens)
+            matches.append((len(tokens), matched))
             batch_total, batch_cached = batch_total + len(tokens), batch_cached + matched
             overflow = cache.total_size + len(tokens) - matched - capacity
             if overflow > 0:
@@ -149,7 +151,7 @@ def serve(requests: list[np.ndarray], capacity: int, policy: str = "fcfs", batch
         total, cached = total + batch_total, cached + batch_cached
         rates.append(batch_cached / batch_total)
         evictions.append(batch_evicted)
-    return Served(total, cached, rates, evictions)
+    return Served(total, cached, rates, evictions, matches)
 
 
 def serve_block_hashing(requests: list[np.ndarray], capacity: int, block_size: int = 16, batch: int = 16) -> Served:
@@ -158,7 +160,7 @@ def serve_block_hashing(requests: list[np.ndarray], capacity: int, block_size: i
     order. Rates and evictions are summed per `batch` requests, as `serve` reports them."""
     pool = PagedKVCache(1, 1, 1, capacity // block_size, block_size, prefix_sharing=True)
     total = cached = 0
-    rates, evictions = [], []
+    rates, evictions, matches = [], [], []
     for first in range(0, len(requests), max(batch, 1)):
         batch_total = batch_cached = batch_evicted = 0
         for tokens in requests[first:first + batch]:
@@ -168,8 +170,9 @@ def serve_block_hashing(requests: list[np.ndarray], capacity: int, block_size: i
             batch_evicted += len(pool.allocator.evicted) * block_size  # cached blocks taken back
             pool.commit(seq, tokens[matched:])
             pool.free(seq)
+            matches.append((len(tokens), matched))
             batch_total, batch_cached = batch_total + len(tokens), batch_cached + matched
         total, cached = total + batch_total, cached + batch_cached
         rates.append(batch_cached / batch_total)
         evictions.append(batch_evicted)
-    return Served(total, cached, rates, evictions)
+    return Served(total, cached, rates, evictions, matches)
