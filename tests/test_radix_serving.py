@@ -57,6 +57,8 @@ def test_pool_allocates_all_or_nothing_and_names_bad_frees():
     pool.free(slots[:1])
     with pytest.raises(ValueError, match="slot 0 is already free"):
         pool.free([0])
+    with pytest.raises(ValueError, match=r"slots \[1, 1\] name a slot twice"):
+        pool.free([1, 1])
     with pytest.raises(ValueError, match="slot 9 is outside the pool of 4"):
         pool.free([9])
     assert pool.num_free == 2
@@ -71,5 +73,11 @@ def test_bad_requests_are_named(target):
         radix_serving.serve_model(target, [np.arange(5)], 16, 10)
     with pytest.raises(ValueError, match="exceeds the context of 512"):
         radix_serving.serve_model(target, [np.zeros(500, int)], 16, 1000)
+    used = RadixCache()
+    used.insert([1, 2], [0, 1])
+    with pytest.raises(ValueError, match="cache must be an empty RadixCache.*2 tokens cached"):
+        radix_serving.serve_model(target, ["x"], 1, 100, cache=used)
+    with pytest.raises(ValueError, match="got radix=False"):
+        radix_serving.serve_model(target, ["x"], 1, 100, radix=False, cache=RadixCache())
     with pytest.raises(ValueError, match="n_prefixes must be in"):
         radix_serving.shared_prefix_prompts(4, n_prefixes=0)

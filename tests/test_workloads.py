@@ -33,6 +33,9 @@ def test_bad_input_is_named():
         workloads.serve([np.arange(10)], 100, policy="random")
     with pytest.raises(ValueError, match="capacity 5 is smaller than the longest prompt, 10"):
         workloads.serve([np.arange(10)], 5)
+    for serve in (workloads.serve, workloads.serve_block_hashing):
+        with pytest.raises(ValueError, match="batch must be >= 1; got 0"):
+            serve([np.arange(10)], 100, batch=0)
 
 
 def test_per_batch_series_add_up():

@@ -56,6 +56,8 @@ def _path(cache, node) -> tuple:
     while node is not None and node is not cache.root:
         pieces.append(np.asarray(node.key).tolist())
         node = node.parent
+        if len(pieces) > 10_000:
+            raise ValueError("the parent links form a loop: they never reach the root")
     return tuple(token for piece in reversed(pieces) for token in piece)
 
 

@@ -58,9 +58,11 @@ class SlotPool:
         bad = slots[(slots < 0) | (slots >= self.n_slots)]
         if len(bad):
             raise ValueError(f"slot {bad[0]} is outside the pool of {self.n_slots}")
-        if not self.in_use[slots].all() or len(np.unique(slots)) != len(slots):
-            raise ValueError(f"slot {slots[~self.in_use[slots]][0] if not self.in_use[slots].all() else slots[0]} "
-                             "is already free")
+        taken = self.in_use[slots]
+        if not taken.all():
+            raise ValueError(f"slot {slots[~taken][0]} is already free")
+        if len(np.unique(slots)) != len(slots):
+            raise ValueError(f"slots {slots.tolist()} name a slot twice")
         self.in_use[slots] = False
         self.free_ids.extend(slots[::-1].tolist())
 
@@ -134,6 +136,9 @@ def serve_model(model, prompts: list, max_new_tokens: int, n_slots: int, radix: 
                          f"{model.config.context}")
     if n_slots < longest:
         raise ValueError(f"n_slots={n_slots} cannot hold one request: the longest needs {longest}")
+    if cache is not None and (not radix or cache.total_size):
+        raise ValueError("cache must be an empty RadixCache, with radix=True: a tree's slots belong to the pool "
+                         f"of the run that filled it (got radix={radix}, {cache.total_size} tokens cached)")
     backend = backend or backends.current()
     c = model.config
     zeros = None

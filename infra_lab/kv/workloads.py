@@ -95,6 +95,8 @@ def mix(weights: dict[str, float], n_requests: int = 600, seed: int = 0) -> list
         else:
             requests.append(request)
     return requests
+
+
 POLICIES = ("fcfs", "longest-prefix", "dfs-weight")
 
 
@@ -132,10 +134,12 @@ def serve(requests: list[np.ndarray], capacity: int, policy: str = "fcfs", batch
         raise ValueError(f"capacity {capacity} is smaller than the longest prompt, {max(len(r) for r in requests)}")
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1; got {batch}")
     cache, next_slot = radix.RadixCache(), 0
     total = cached = 0
     rates, evictions, matches = [], [], []
-    for first in range(0, len(requests), max(batch, 1)):
+    for first in range(0, len(requests), batch):
         waiting = requests[first:first + batch]
         batch_total = batch_cached = batch_evicted = 0
         for index in _order(policy, waiting, cache):
@@ -158,10 +162,12 @@ def serve_block_hashing(requests: list[np.ndarray], capacity: int, block_size: i
     """Chapter 03's prefix sharing: only whole blocks whose chained hash matches are reused;
     freed blocks stay cached until the pool needs them (least recently freed first), in arrival
     order. Rates and evictions are summed per `batch` requests, as `serve` reports them."""
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1; got {batch}")
     pool = PagedKVCache(1, 1, 1, capacity // block_size, block_size, prefix_sharing=True)
     total = cached = 0
     rates, evictions, matches = [], [], []
-    for first in range(0, len(requests), max(batch, 1)):
+    for first in range(0, len(requests), batch):
         batch_total = batch_cached = batch_evicted = 0
         for tokens in requests[first:first + batch]:
             seq = pool.new_sequence()
