@@ -17,6 +17,7 @@ import numpy as np
 
 from infra_lab import backend as backends
 from infra_lab.kv.radix import RadixCache
+from infra_lab.kv.workloads import PrefixHits
 from infra_lab.model import corpus, tokenizer
 
 
@@ -103,7 +104,7 @@ class SlotSequence:
 
 
 @dataclass(frozen=True)
-class ModelServed:
+class ModelServed(PrefixHits):
     outputs: list[list[int]]  # greedy tokens per request
     prompt_tokens: int
     cached_tokens: int  # prompt tokens whose KV came from the tree
@@ -111,14 +112,6 @@ class ModelServed:
     seconds: float  # the whole run
     evicted_tokens: int
     slots_in_use: int  # at the end: the tree's tokens (none without a tree)
-
-    @property
-    def hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens
-
-    @property
-    def prefill_tokens(self) -> int:
-        return self.prompt_tokens - self.cached_tokens
 
 
 def serve_model(model, prompts: list, max_new_tokens: int, n_slots: int, radix: bool = True,

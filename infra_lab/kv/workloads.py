@@ -100,13 +100,11 @@ def mix(weights: dict[str, float], n_requests: int = 600, seed: int = 0) -> list
 POLICIES = ("fcfs", "longest-prefix", "dfs-weight")
 
 
-@dataclass(frozen=True)
-class Served:
+class PrefixHits:
+    """What a prefix cache saved, from `prompt_tokens` and `cached_tokens` (served from it)."""
+
     prompt_tokens: int
-    cached_tokens: int  # served from the cache
-    hit_rates: list[float]  # per batch, in order
-    evictions: list[int]  # tokens evicted per batch, in order
-    matches: list[tuple[int, int]]  # (prompt tokens, tokens served from the cache) per request, as admitted
+    cached_tokens: int
 
     @property
     def hit_rate(self) -> float:
@@ -115,6 +113,15 @@ class Served:
     @property
     def prefill_tokens(self) -> int:
         return self.prompt_tokens - self.cached_tokens
+
+
+@dataclass(frozen=True)
+class Served(PrefixHits):
+    prompt_tokens: int
+    cached_tokens: int  # served from the cache
+    hit_rates: list[float]  # per batch, in order
+    evictions: list[int]  # tokens evicted per batch, in order
+    matches: list[tuple[int, int]]  # (prompt tokens, tokens served from the cache) per request, as admitted
 
 
 def _order(policy: str, waiting: list[np.ndarray], cache: radix.RadixCache) -> list[int]:
