@@ -137,13 +137,23 @@ def scattered_pool(seed, batch, length, n_kv, group, d, block_size):
 
 
 @given(seed=st.integers(0, 2**32 - 1), batch=st.integers(1, 4), length=st.integers(1, 300),
-       n_kv=st.integers(1, 2), group=st.sampled_from([1, 2]), block_size=st.sampled_from([1, 4, 16]))
+       n_kv=st.integers(1, 2), group=st.sampled_from([1, 2]), block_size=st.sampled_from([1, 4, 5, 16]))
 def test_paged_kernels_agree_with_the_reference(seed, batch, length, n_kv, group, block_size):
     args = scattered_pool(seed, batch, length, n_kv, group, 16, block_size)
     reference = paged_attention.paged_decode_numpy(*args)
     for name in backend.available():
         got = paged_attention.paged_decode(*args, backend=backend.resolve(name, "cpu"))
         np.testing.assert_allclose(got, reference, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+@settings(max_examples=40)
+@given(seed=st.integers(0, 2**32 - 1), batch=st.integers(1, 3), length=st.integers(1, 600),
+       d=st.sampled_from([8, 16, 24]), block_size=st.sampled_from([1, 3, 16]))
+def test_prefetching_changes_no_result_bit(seed, batch, length, d, block_size):
+    args = scattered_pool(seed, batch, length, 2, 2, d, block_size)
+    with_prefetch = paged_attention.paged_decode_numba(*args)
+    without = paged_attention.paged_decode_numba(*args, prefetch=False)
+    assert np.array_equal(with_prefetch, without)
 
 
 def test_paged_kernel_refuses_tables_outside_the_pool():

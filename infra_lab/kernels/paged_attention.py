@@ -3,8 +3,9 @@
 k_pool, v_pool: (num_blocks, block_size, n_kv_heads, head_dim), one layer of a PagedKVCache;
 block_tables: (batch, max_blocks) int, -1 past the end; lengths: (batch,). Sequence b's token t
 sits in block block_tables[b, t // block_size] at slot t % block_size. The numba kernel streams
-each block's rows for all heads at once and merges per-split softmaxes (flash-decoding), like
-the contiguous kernel of chapter 01; torch gathers the blocks into a contiguous copy first.
+each block's rows for all heads at once, prefetches the next block's rows as it goes, and
+merges per-split softmaxes (flash-decoding), like the contiguous kernel of chapter 01; torch
+gathers the blocks into a contiguous copy first.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import numpy as np
 from infra_lab import backend as backends
 from infra_lab.kernels.attention import _exp_nonpositive
 from infra_lab.kernels.attention_decode import _merge_splits, decode_attention_numpy
+from infra_lab.kernels.prefetch import prefetch_span
 
 
 def _check(q, k_pool, v_pool, block_tables, lengths) -> None:
@@ -61,9 +63,11 @@ SPLIT_BLOCKS = 16  # blocks per task
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True)
-def _paged_splits(q, k_pool, v_pool, tables, lengths, scale, top, total, acc):
+def _paged_splits(q, k_pool, v_pool, tables, lengths, scale, top, total, acc, prefetch):
     batch, n_heads, d = q.shape
     block_size, n_kv = k_pool.shape[1], k_pool.shape[2]
+    row_floats = n_kv * d  # one position's row of a block: every KV head
+    k_flat, v_flat = k_pool.reshape(-1), v_pool.reshape(-1)
     group = n_heads // n_kv
     n_splits = top.shape[1]
     for task in numba.prange(batch * n_splits):
@@ -73,12 +77,20 @@ def _paged_splits(q, k_pool, v_pool, tables, lengths, scale, top, total, acc):
         first = first_block * block_size
         if first >= last:
             continue
+        end_block = (last + block_size - 1) // block_size
         query = q[b] * scale  # (n_heads, d), local and contiguous
         scores = np.empty((n_heads, last - first), np.float32)
-        for logical in range(first_block, (last + block_size - 1) // block_size):
+        for logical in range(first_block, end_block):
             block = tables[b, logical]
             base = logical * block_size
+            # the block read next: this task's next K block, or after the last one its first V block
+            if logical + 1 < end_block:
+                upcoming, upcoming_flat = tables[b, logical + 1], k_flat
+            else:
+                upcoming, upcoming_flat = tables[b, first_block], v_flat
             for slot in range(min(block_size, last - base)):  # one row: every KV head of a position
+                if prefetch:  # the same row of the upcoming block, one block ahead
+                    prefetch_span(upcoming_flat, (upcoming * block_size + slot) * row_floats, row_floats)
                 for g in range(n_kv):
                     key = k_pool[block, slot, g]  # (d,), contiguous
                     for h in range(g * group, (g + 1) * group):
@@ -95,10 +107,13 @@ def _paged_splits(q, k_pool, v_pool, tables, lengths, scale, top, total, acc):
             top[b, split, h] = peak
             total[b, split, h] = row.sum()
         out = np.zeros((n_heads, d), np.float32)
-        for logical in range(first_block, (last + block_size - 1) // block_size):
+        for logical in range(first_block, end_block):
             block = tables[b, logical]
             base = logical * block_size
+            upcoming = tables[b, logical + 1] if logical + 1 < end_block else -1
             for slot in range(min(block_size, last - base)):
+                if prefetch and upcoming >= 0:
+                    prefetch_span(v_flat, (upcoming * block_size + slot) * row_floats, row_floats)
                 for g in range(n_kv):
                     value = v_pool[block, slot, g]
                     for h in range(g * group, (g + 1) * group):
@@ -108,8 +123,10 @@ def _paged_splits(q, k_pool, v_pool, tables, lengths, scale, top, total, acc):
         acc[b, split] = out
 
 
-def paged_decode_numba(q, k_pool, v_pool, block_tables, lengths):
-    """CPU, float32: tasks of SPLIT_BLOCKS blocks per sequence, merged like flash-decoding."""
+def paged_decode_numba(q, k_pool, v_pool, block_tables, lengths, prefetch: bool = True):
+    """CPU, float32: tasks of SPLIT_BLOCKS blocks per sequence, merged like flash-decoding.
+    `prefetch` asks for each row of the next block one block ahead (see kernels.prefetch);
+    False leaves the loads to the hardware prefetchers, for comparison."""
     _check(q, k_pool, v_pool, block_tables, lengths)
     lengths = np.asarray(lengths, np.int64)
     batch, n_heads, d = q.shape
@@ -118,8 +135,9 @@ def paged_decode_numba(q, k_pool, v_pool, block_tables, lengths):
     top = np.empty((batch, n_splits, n_heads), np.float32)
     total = np.empty((batch, n_splits, n_heads), np.float32)
     acc = np.empty((batch, n_splits, n_heads, d), np.float32)
+    k_pool, v_pool = np.ascontiguousarray(k_pool), np.ascontiguousarray(v_pool)  # no copy when already contiguous
     _paged_splits(np.ascontiguousarray(q, np.float32), k_pool, v_pool, np.asarray(block_tables, np.int64),
-                  lengths, np.float32(1 / math.sqrt(d)), top, total, acc)
+                  lengths, np.float32(1 / math.sqrt(d)), top, total, acc, bool(prefetch))
     out = np.empty((batch, n_heads, d), np.float32)
     _merge_splits(top, total, acc, lengths, out, split_len)
     return out
