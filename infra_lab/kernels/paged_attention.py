@@ -62,6 +62,14 @@ def paged_decode_numpy(q, k_pool, v_pool, block_tables, lengths):
 SPLIT_BLOCKS = 16  # blocks per task
 
 
+@numba.njit(inline="always")
+def _first_block_of(task, n_splits, tables, lengths, block_size):  # the task's first physical block; -1 if none
+    if task >= tables.shape[0] * n_splits:
+        return -1
+    b, first_block = task // n_splits, task % n_splits * SPLIT_BLOCKS
+    return tables[b, first_block] if first_block * block_size < lengths[b] else -1
+
+
 @numba.njit(parallel=True, fastmath=True, cache=True)
 def _paged_splits(q, k_pool, v_pool, tables, lengths, scale, top, total, acc, prefetch):
     batch, n_heads, d = q.shape
@@ -110,10 +118,15 @@ def _paged_splits(q, k_pool, v_pool, tables, lengths, scale, top, total, acc, pr
         for logical in range(first_block, end_block):
             block = tables[b, logical]
             base = logical * block_size
-            upcoming = tables[b, logical + 1] if logical + 1 < end_block else -1
+            # the block read next: this task's next V block, or after the last one the next task's
+            # first K block (numba gives each thread a contiguous range of tasks)
+            if logical + 1 < end_block:
+                upcoming, upcoming_flat = tables[b, logical + 1], v_flat
+            else:
+                upcoming, upcoming_flat = _first_block_of(task + 1, n_splits, tables, lengths, block_size), k_flat
             for slot in range(min(block_size, last - base)):
                 if prefetch and upcoming >= 0:
-                    prefetch_span(v_flat, (upcoming * block_size + slot) * row_floats, row_floats)
+                    prefetch_span(upcoming_flat, (upcoming * block_size + slot) * row_floats, row_floats)
                 for g in range(n_kv):
                     value = v_pool[block, slot, g]
                     for h in range(g * group, (g + 1) * group):
