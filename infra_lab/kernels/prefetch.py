@@ -23,7 +23,8 @@ _READ, _KEEP_IN_L2, _DATA = 0, 2, 1  # llvm.prefetch arguments: rw, locality (2 
 def prefetch_l2(typingctx, array, index):
     """Start loading the cache line that holds array[index] (a 1-D array; index in range) into
     L2, for reading. Returns at once and never faults. Locality 2 (x86 `prefetcht1`, into L2)
-    read faster than `prefetcht0` (into L1) in this probe on the Zen 4 VM the book is built on."""
+    read faster than `prefetcht0` (into L1) in `read_blocks` on the 2-core Zen 4 VM where this
+    module was written."""
     if not (isinstance(array, types.Array) and array.ndim == 1 and isinstance(index, types.Integer)):
         return None
 
