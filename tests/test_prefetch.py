@@ -29,3 +29,13 @@ def test_prefetch_takes_only_a_1d_array_and_an_integer_index():
         touch(np.zeros((2, 2), np.float32), 0)
     with pytest.raises(numba.core.errors.TypingError):
         touch(np.zeros(4, np.float32), 1.5)
+
+
+def test_read_blocks_names_tables_outside_the_pool():
+    pool = np.zeros((4, 8), np.float32)
+    with pytest.raises(ValueError, match=r"blocks in \[0, 4\); got 0 to 4"):
+        read_blocks(pool, np.array([[0, 4]]), True)
+    with pytest.raises(ValueError, match="integer tables"):
+        read_blocks(pool, np.array([[0.0, 1.0]]), True)
+    with pytest.raises(ValueError, match="pool"):
+        read_blocks(pool[0], np.array([[0]]), False)

@@ -59,11 +59,21 @@ def _sum(values):  # (n,) -> float32; fastmath lets LLVM split the sum into vect
     return total
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
-def read_blocks(pool, tables, prefetch):
+def read_blocks(pool, tables, prefetch: bool):
     """Sum every block that tables (tasks, blocks) names in pool (num_blocks, block_floats), one
     task per table row: a paged kernel's reads without its arithmetic. With `prefetch`, while
     reading a block in chunks of 512 floats, prefetch the same chunk of the task's next block."""
+    pool, tables = np.ascontiguousarray(pool), np.asarray(tables)
+    if pool.ndim != 2 or tables.ndim != 2 or not np.issubdtype(tables.dtype, np.integer):
+        raise ValueError(f"need pool (num_blocks, block_floats) and integer tables (tasks, blocks); "
+                         f"got pool {pool.shape}, tables {tables.shape} of {tables.dtype}")
+    if tables.size and (tables.min() < 0 or tables.max() >= len(pool)):
+        raise ValueError(f"tables must name blocks in [0, {len(pool)}); got {tables.min()} to {tables.max()}")
+    return _read_blocks(pool, tables, bool(prefetch))
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def _read_blocks(pool, tables, prefetch):
     block_floats = pool.shape[1]
     chunk = min(512, block_floats)
     flat = pool.reshape(-1)
