@@ -87,6 +87,20 @@ def test_fork_then_append_copies_the_shared_last_block_only():
     assert cache.gather(child, 0, 7)[0][:, 0, 0].tolist() == [1, 2, 3, 4, 5, 6, 9]
 
 
+def test_a_blocks_k_and_v_sit_side_by_side():
+    cache = PagedKVCache(2, 2, 3, 5, 4)
+    assert cache.k.shape == cache.v.shape == (2, 5, 4, 2, 3)
+    assert np.shares_memory(cache.k, cache.kv) and np.shares_memory(cache.v, cache.kv)
+    seq = cache.new_sequence()
+    cache.reserve(seq, 1)
+    k, v = np.full((1, 2, 3), 1.0, np.float32), np.full((1, 2, 3), 2.0, np.float32)
+    cache.write(seq, 1, k, v)
+    block = cache.tables[seq][0]
+    stretch = cache.kv[1, block].ravel()  # the block's K rows, then its V rows
+    assert stretch[:6].tolist() == [1.0] * 6 and stretch[4 * 6: 4 * 6 + 6].tolist() == [2.0] * 6
+    assert cache.bytes_per_block == 2 * 2 * 4 * 2 * 3 * 4  # layers x (K, V) x slots x heads x d x fp32
+
+
 def test_prefix_sharing_reuses_full_blocks_even_after_free():
     cache = PagedKVCache(1, 1, 1, 6, 2, prefix_sharing=True)
     first = cache.new_sequence()
@@ -124,12 +138,26 @@ def test_bad_input_gets_clear_errors_and_changes_nothing():
         allocator.free(1)
 
 
-def scattered_pool(seed, batch, length, n_kv, group, d, block_size):
+LAYOUTS = ["side by side", "apart", "heads first"]
+
+
+def pools(rng, num_blocks, block_size, n_kv, d, layout):
+    """K and V pools (num_blocks, block_size, n_kv, d): views of one (blocks, 2, ...) array as
+    PagedKVCache keeps them, two contiguous arrays, or views whose rows are not contiguous."""
+    if layout == "side by side":
+        kv = rng.standard_normal((num_blocks, 2, block_size, n_kv, d)).astype(np.float32)
+        return kv[:, 0], kv[:, 1]
+    if layout == "apart":
+        return tuple(rng.standard_normal((num_blocks, block_size, n_kv, d)).astype(np.float32) for _ in range(2))
+    heads_first = rng.standard_normal((2, num_blocks, n_kv, block_size, d)).astype(np.float32)
+    return heads_first[0].transpose(0, 2, 1, 3), heads_first[1].transpose(0, 2, 1, 3)
+
+
+def scattered_pool(seed, batch, length, n_kv, group, d, block_size, layout="side by side"):
     rng = np.random.default_rng(seed)
     blocks_per_seq = -(-length // block_size)
     num_blocks = batch * blocks_per_seq + 3
-    k_pool = rng.standard_normal((num_blocks, block_size, n_kv, d)).astype(np.float32)
-    v_pool = rng.standard_normal((num_blocks, block_size, n_kv, d)).astype(np.float32)
+    k_pool, v_pool = pools(rng, num_blocks, block_size, n_kv, d, layout)
     tables = rng.permutation(num_blocks)[: batch * blocks_per_seq].reshape(batch, blocks_per_seq)
     lengths = rng.integers(1, length + 1, size=batch)
     q = rng.standard_normal((batch, n_kv * group, d)).astype(np.float32)
@@ -137,9 +165,10 @@ def scattered_pool(seed, batch, length, n_kv, group, d, block_size):
 
 
 @given(seed=st.integers(0, 2**32 - 1), batch=st.integers(1, 4), length=st.integers(1, 300),
-       n_kv=st.integers(1, 2), group=st.sampled_from([1, 2]), block_size=st.sampled_from([1, 4, 5, 16]))
-def test_paged_kernels_agree_with_the_reference(seed, batch, length, n_kv, group, block_size):
-    args = scattered_pool(seed, batch, length, n_kv, group, 16, block_size)
+       n_kv=st.integers(1, 2), group=st.sampled_from([1, 2]), block_size=st.sampled_from([1, 4, 5, 16]),
+       layout=st.sampled_from(LAYOUTS))
+def test_paged_kernels_agree_with_the_reference(seed, batch, length, n_kv, group, block_size, layout):
+    args = scattered_pool(seed, batch, length, n_kv, group, 16, block_size, layout)
     reference = paged_attention.paged_decode_numpy(*args)
     for name in backend.available():
         got = paged_attention.paged_decode(*args, backend=backend.resolve(name, "cpu"))
@@ -154,6 +183,17 @@ def test_prefetching_changes_no_result_bit(seed, batch, length, d, block_size):
     with_prefetch = paged_attention.paged_decode_numba(*args)
     without = paged_attention.paged_decode_numba(*args, prefetch=False)
     assert np.array_equal(with_prefetch, without)
+
+
+@given(seed=st.integers(0, 2**32 - 1), num_blocks=st.integers(1, 6), block_size=st.sampled_from([1, 3]),
+       n_kv=st.integers(1, 2), layout=st.sampled_from(LAYOUTS))
+def test_flat_pool_finds_every_block(seed, num_blocks, block_size, n_kv, layout):
+    for pool in pools(np.random.default_rng(seed), num_blocks, block_size, n_kv, 4, layout):
+        flat, stride = paged_attention.flat_pool(pool)
+        size = block_size * n_kv * 4
+        for block in range(num_blocks):  # brute force: each block's values, in C order, from the stride
+            np.testing.assert_array_equal(flat[block * stride: block * stride + size], pool[block].ravel())
+        assert (stride == 2 * size) == (layout == "side by side")  # views, not copies, when rows are contiguous
 
 
 def test_paged_kernel_refuses_tables_outside_the_pool():

@@ -91,9 +91,11 @@ class PagedKVCache:
             raise ValueError(f"n_layers, n_kv_heads and head_dim must be >= 1; got {n_layers}, {n_kv_heads}, {head_dim}")
         self.allocator = BlockAllocator(num_blocks)
         self.block_size = block_size
-        shape = (n_layers, num_blocks, block_size, n_kv_heads, head_dim)
+        # a block's K rows, then its V rows: one contiguous stretch per block for the decode kernel
+        shape = (n_layers, num_blocks, 2, block_size, n_kv_heads, head_dim)
         make = zeros or (lambda size: np.zeros(size, dtype))  # a torch factory puts the pool on a GPU
-        self.k, self.v = make(shape), make(shape)
+        self.kv = make(shape)
+        self.k, self.v = self.kv[:, :, 0], self.kv[:, :, 1]  # views: (layers, blocks, block_size, kv_heads, d)
         self.prefix_sharing = prefix_sharing
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
@@ -161,7 +163,7 @@ class PagedKVCache:
         table, length = self.tables[seq], self.lengths[seq]
         if length % self.block_size and n_new > 0 and self.allocator.ref_counts[table[-1]] > 1:
             private = blocks.pop()  # copy-on-write
-            self.k[:, private], self.v[:, private] = self.k[:, table[-1]], self.v[:, table[-1]]
+            self.kv[:, private] = self.kv[:, table[-1]]  # K and V in one copy
             self.allocator.free(table[-1])
             table[-1] = private
         table.extend(blocks)
@@ -244,7 +246,7 @@ class PagedKVCache:
 
     @property
     def bytes_per_block(self) -> int:
-        return 2 * self.k[:, 0].nbytes  # numpy arrays and torch tensors both have nbytes
+        return self.kv[:, 0].nbytes  # K and V; numpy arrays and torch tensors both have nbytes
 
 
 class SequenceView:
