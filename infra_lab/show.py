@@ -48,7 +48,7 @@ class Source:
 
 def source_of(obj: object) -> Source:
     """The source of an infra_lab module, class or function, with where it lives."""
-    target = getattr(obj, "py_func", obj)  # numba dispatchers keep the Python function here
+    target = inspect.unwrap(getattr(obj, "py_func", obj))  # numba dispatchers and functools caches wrap it
     try:
         path = Path(inspect.getsourcefile(target) or "").resolve()
         lines, first_line = inspect.getsourcelines(target)

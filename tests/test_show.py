@@ -3,7 +3,7 @@ import json
 import pytest
 
 from infra_lab import show, stack
-from infra_lab.kernels import gemv
+from infra_lab.kernels import gemv, paged_attention
 
 
 def test_show_renders_highlighted_source_with_its_location():
@@ -18,6 +18,11 @@ def test_show_renders_highlighted_source_with_its_location():
 
 def test_show_reaches_through_numba_dispatchers():
     assert "prange" in show(gemv._gemv_rows).code
+
+
+def test_show_reaches_through_functools_caches():
+    code = show(paged_attention._paged_splits_for).code
+    assert code.startswith("@functools.cache") and "def paged_splits(" in code
 
 
 def test_show_lines_match_the_file():

@@ -10,6 +10,7 @@ like the contiguous kernel of chapter 01; torch gathers the blocks into a contig
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numba
@@ -89,85 +90,93 @@ def _first_block_of(task, n_splits, tables, lengths, block_size):  # the task's 
     return tables[b, first_block] if first_block * block_size < lengths[b] else -1
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
-def _paged_splits(q, k_flat, v_flat, k_stride, v_stride, block_size, n_kv, tables, lengths, scale,
-                  top, total, acc, prefetch):
-    # k_flat, v_flat: flat pools; in block n, (slot, KV head g) starts at n * stride + (slot * n_kv + g) * d
-    batch, n_heads, d = q.shape
-    row_values = n_kv * d  # one position's row of a block: every KV head
-    group = n_heads // n_kv
-    n_splits = top.shape[1]
-    for task in numba.prange(batch * n_splits):
-        b, split = task // n_splits, task % n_splits
-        first_block = split * SPLIT_BLOCKS
-        last = min(lengths[b], (first_block + SPLIT_BLOCKS) * block_size)  # one past the last token
-        if first_block * block_size >= last:
-            continue
-        end_block = (last + block_size - 1) // block_size
-        query = q[b] * scale  # (n_heads, d), local and contiguous
-        scores = np.empty((n_heads, block_size), np.float32)  # one block's scores, then weights
-        bits = np.empty(block_size, np.int32)  # scratch: the float bits of 2^n
-        block_peak = np.empty(n_heads, np.float32)  # this block's highest score, per head
-        peak = np.full(n_heads, -np.inf, np.float32)  # running max of the scores, per head
-        weight = np.zeros(n_heads, np.float32)  # running sum of exp(score - peak)
-        out = np.zeros((n_heads, d), np.float32)  # running sum of exp(score - peak) * value
-        for logical in range(first_block, end_block):
-            block = tables[b, logical]
-            rows = min(block_size, last - logical * block_size)
-            # the block read after this one: the task's next, or the next task's first (numba
-            # gives each thread a contiguous range of tasks); its rows are prefetched one block ahead
-            upcoming = tables[b, logical + 1] if logical + 1 < end_block else \
-                _first_block_of(task + 1, n_splits, tables, lengths, block_size)
-            block_peak[:] = -np.inf
-            for slot in range(rows):
-                if prefetch and upcoming >= 0:
-                    prefetch_span(k_flat, upcoming * k_stride + slot * row_values, row_values)
-                for g in range(n_kv):
-                    start = block * k_stride + (slot * n_kv + g) * d
-                    key = k_flat[start: start + d]
-                    for h in range(g * group, (g + 1) * group):
-                        s = np.float32(0.0)
-                        for i in range(d):
-                            s += query[h, i] * key[i]
-                        scores[h, slot] = s
-                        block_peak[h] = max(block_peak[h], s)
-            for h in range(n_heads):  # online softmax (chapter 02): fold this block into the running sums
-                if block_peak[h] > peak[h]:  # rescale only when the max grows, rare after the first blocks
-                    shrink = np.float32(math.exp(peak[h] - block_peak[h]))  # 0 for the first block
-                    peak[h] = block_peak[h]
-                    weight[h] *= shrink
-                    for i in range(d):
-                        out[h, i] *= shrink
-                top_so_far = peak[h]
-                row = scores[h]
-                # exp(score - peak) the way chapter 02's _exp_nonpositive vectorizes it, written out here:
-                # calling that on each 16-score row measured 15% slower with the data in cache, and
-                # an inlined helper that returns both parts 2 to 4% slower from DRAM
+@functools.cache
+def _paged_splits_for(head_dim: int):
+    """The kernel below with head_dim fixed when numba compiles it, so LLVM turns each loop over
+    d into whole vector instructions. One compile per head_dim, cached on disk like the rest."""
+
+    @numba.njit(parallel=True, fastmath=True, cache=True)
+    def paged_splits(q, k_flat, v_flat, k_stride, v_stride, block_size, n_kv, tables, lengths, scale,
+                     top, total, acc, prefetch):
+        # k_flat, v_flat: flat pools; in block n, (slot, KV head g) starts at n * stride + (slot * n_kv + g) * d
+        batch, n_heads = q.shape[:2]
+        d = head_dim  # a compile-time constant
+        row_values = n_kv * d  # one position's row of a block: every KV head
+        group = n_heads // n_kv
+        n_splits = top.shape[1]
+        for task in numba.prange(batch * n_splits):
+            b, split = task // n_splits, task % n_splits
+            first_block = split * SPLIT_BLOCKS
+            last = min(lengths[b], (first_block + SPLIT_BLOCKS) * block_size)  # one past the last token
+            if first_block * block_size >= last:
+                continue
+            end_block = (last + block_size - 1) // block_size
+            query = q[b] * scale  # (n_heads, d), local and contiguous
+            scores = np.empty((n_heads, block_size), np.float32)  # one block's scores, then weights
+            bits = np.empty(block_size, np.int32)  # scratch: the float bits of 2^n
+            block_peak = np.empty(n_heads, np.float32)  # this block's highest score, per head
+            peak = np.full(n_heads, -np.inf, np.float32)  # running max of the scores, per head
+            weight = np.zeros(n_heads, np.float32)  # running sum of exp(score - peak)
+            out = np.zeros((n_heads, d), np.float32)  # running sum of exp(score - peak) * value
+            for logical in range(first_block, end_block):
+                block = tables[b, logical]
+                rows = min(block_size, last - logical * block_size)
+                # the block read after this one: the task's next, or the next task's first (numba
+                # gives each thread a contiguous range of tasks); its rows are prefetched one block ahead
+                upcoming = tables[b, logical + 1] if logical + 1 < end_block else \
+                    _first_block_of(task + 1, n_splits, tables, lengths, block_size)
+                block_peak[:] = -np.inf
                 for slot in range(rows):
-                    t = max((row[slot] - top_so_far) * LOG2_E, -126.0)
-                    n = np.floor(t + 0.5)
-                    u = (t - n) * LN_2
-                    row[slot] = 1 + u * (1 + u * (0.5 + u * (1 / 6 + u * (1 / 24 + u * (1 / 120 + u * (1 / 720))))))
-                    bits[slot] = (np.int32(n) + 127) << 23
-                twos = bits.view(np.float32)  # 2^n
-                block_weight = np.float32(0.0)
-                for slot in range(rows):
-                    row[slot] *= twos[slot]
-                    block_weight += row[slot]
-                weight[h] += block_weight
-            for slot in range(rows):
-                if prefetch and upcoming >= 0:
-                    prefetch_span(v_flat, upcoming * v_stride + slot * row_values, row_values)
-                for g in range(n_kv):
-                    start = block * v_stride + (slot * n_kv + g) * d
-                    value = v_flat[start: start + d]
-                    for h in range(g * group, (g + 1) * group):
-                        p = scores[h, slot]
+                    if prefetch and upcoming >= 0:
+                        prefetch_span(k_flat, upcoming * k_stride + slot * row_values, row_values)
+                    for g in range(n_kv):
+                        start = block * k_stride + (slot * n_kv + g) * d
+                        key = k_flat[start: start + d]
+                        for h in range(g * group, (g + 1) * group):
+                            s = np.float32(0.0)
+                            for i in range(d):
+                                s += query[h, i] * key[i]
+                            scores[h, slot] = s
+                            block_peak[h] = max(block_peak[h], s)
+                for h in range(n_heads):  # online softmax (chapter 02): fold this block into the running sums
+                    if block_peak[h] > peak[h]:  # rescale only when the max grows, rare after the first blocks
+                        shrink = np.float32(math.exp(peak[h] - block_peak[h]))  # 0 for the first block
+                        peak[h] = block_peak[h]
+                        weight[h] *= shrink
                         for i in range(d):
-                            out[h, i] += p * value[i]
-        top[b, split] = peak
-        total[b, split] = weight
-        acc[b, split] = out
+                            out[h, i] *= shrink
+                    top_so_far = peak[h]
+                    row = scores[h]
+                    # exp(score - peak) the way chapter 02's _exp_nonpositive vectorizes it, written out here:
+                    # calling that on each 16-score row measured 15% slower with the data in cache, and
+                    # an inlined helper that returns both parts 2 to 4% slower from DRAM
+                    for slot in range(rows):
+                        t = max((row[slot] - top_so_far) * LOG2_E, -126.0)
+                        n = np.floor(t + 0.5)
+                        u = (t - n) * LN_2
+                        row[slot] = 1 + u * (1 + u * (0.5 + u * (1 / 6 + u * (1 / 24 + u * (1 / 120 + u * (1 / 720))))))
+                        bits[slot] = (np.int32(n) + 127) << 23
+                    twos = bits.view(np.float32)  # 2^n
+                    block_weight = np.float32(0.0)
+                    for slot in range(rows):
+                        row[slot] *= twos[slot]
+                        block_weight += row[slot]
+                    weight[h] += block_weight
+                for slot in range(rows):
+                    if prefetch and upcoming >= 0:
+                        prefetch_span(v_flat, upcoming * v_stride + slot * row_values, row_values)
+                    for g in range(n_kv):
+                        start = block * v_stride + (slot * n_kv + g) * d
+                        value = v_flat[start: start + d]
+                        for h in range(g * group, (g + 1) * group):
+                            p = scores[h, slot]
+                            for i in range(d):
+                                out[h, i] += p * value[i]
+            top[b, split] = peak
+            total[b, split] = weight
+            acc[b, split] = out
+
+    return paged_splits
 
 
 def paged_decode_numba(q, k_pool, v_pool, block_tables, lengths, prefetch: bool = True):
@@ -186,9 +195,9 @@ def paged_decode_numba(q, k_pool, v_pool, block_tables, lengths, prefetch: bool 
     total = np.empty((batch, n_splits, n_heads), np.float32)
     acc = np.empty((batch, n_splits, n_heads, d), np.float32)
     (k_flat, k_stride), (v_flat, v_stride) = flat_pool(k_pool), flat_pool(v_pool)
-    _paged_splits(np.ascontiguousarray(q, np.float32), k_flat, v_flat, k_stride, v_stride, block_size, n_kv,
-                  np.asarray(block_tables, np.int64), lengths, np.float32(1 / math.sqrt(d)),
-                  top, total, acc, bool(prefetch))
+    kernel = _paged_splits_for(d)
+    kernel(np.ascontiguousarray(q, np.float32), k_flat, v_flat, k_stride, v_stride, block_size, n_kv,
+           np.asarray(block_tables, np.int64), lengths, np.float32(1 / math.sqrt(d)), top, total, acc, bool(prefetch))
     out = np.empty((batch, n_heads, d), np.float32)
     _merge_splits(top, total, acc, lengths, out, split_len)
     return out
