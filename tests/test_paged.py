@@ -202,3 +202,16 @@ def test_paged_kernel_refuses_tables_outside_the_pool():
     tables[1, 0] = 999
     with pytest.raises(ValueError, match="points outside the pool"):
         paged_attention.paged_decode_numba(q, k_pool, v_pool, tables, np.array([40, 40]))
+
+
+@pytest.mark.parametrize("name", list(backend.available()))
+def test_the_model_gives_the_same_tokens_from_a_paged_pool(name):
+    from infra_lab import model
+    from infra_lab.model.generate import generate_many
+
+    prompts = ["import os\n", "class Config:\n"]
+    with backend.using(name, "cpu"):
+        target = model.load("target")
+        pool = target.new_paged_cache(num_blocks=12, block_size=16)
+        assert generate_many(target, prompts, 40, paged=pool) == generate_many(target, prompts, 40)
+        assert pool.allocator.num_free == pool.allocator.num_blocks  # every block back after the batch
