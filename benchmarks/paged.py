@@ -14,7 +14,7 @@ over the same bytes read in order (the machine's read bandwidth; the copy roof c
 writes, which can overlap), the same sum through the same scattered block tables, and that sum
 with the same prefetching (the access pattern's own ceiling).
 
-    python benchmarks/paged.py [--json out.json]
+    python benchmarks/paged.py [--rounds 9] [--json out.json]
 """
 from __future__ import annotations
 
@@ -33,8 +33,11 @@ ROUNDS = 9  # back-to-back (roof, kernel) pairs
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"back-to-back pairs to take (default {ROUNDS})")
+    parser.add_argument("--json", help="also write the figures here, with every pair's roof and share")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1; got {args.rounds}")
     print(backend.describe())
     rng = np.random.default_rng(0)
     batch, length, heads, head_dim, block_size = 32, 2048, 8, 64, 16
@@ -56,7 +59,7 @@ def main() -> None:
     # (the same STREAM copy that hardware.measure() runs) right before each kernel timing, and each
     # share is a pair taken back to back. The headline is the median pair.
     rounds = []  # (roof bytes/s, seconds with prefetch, seconds without, seconds with K and V in two pools)
-    for _ in range(ROUNDS):
+    for _ in range(args.rounds):
         roof = hardware.stream_bandwidth("copy", hardware.DRAM_BYTES)
         rounds.append((roof, hardware.best_seconds(kernel(True), 3), hardware.best_seconds(kernel(False), 3),
                        hardware.best_seconds(kernel(True, apart), 3)))
@@ -88,7 +91,7 @@ def main() -> None:
                "share_of_read_prefetched": prefetched_read / ours,
                "max_rel_error": float(np.abs(got - reference).max() / np.abs(reference).max())}
     print(f"paged decode, {batch} x {length} tokens, {heads} heads of {head_dim}, blocks of {block_size}: "
-          f"numba reaches {figures['share_of_roof']:.0%} of the memory roof (median of {ROUNDS} back-to-back pairs; "
+          f"numba reaches {figures['share_of_roof']:.0%} of the memory roof (median of {args.rounds} back-to-back pairs; "
           f"{shares[0]:.0%} to {shares[-1]:.0%}; the roof read {min(figures['roofs_GBps']):.1f} to {max(figures['roofs_GBps']):.1f} GB/s); "
           f"best {figures['numba_GBps']:.1f} GB/s, {figures['share_of_measured_roof']:.0%} of hardware.measure()'s "
           f"{figures['measured_roof_GBps']:.1f} GB/s")
