@@ -193,7 +193,7 @@ def test_flat_pool_finds_every_block(seed, num_blocks, block_size, n_kv, layout)
         size = block_size * n_kv * 4
         for block in range(num_blocks):  # brute force: each block's values, in C order, from the stride
             np.testing.assert_array_equal(flat[block * stride: block * stride + size], pool[block].ravel())
-        assert (stride == 2 * size) == (layout == "side by side")  # views, not copies, when rows are contiguous
+        assert (stride == 2 * size) == (layout == "side by side")  # only K beside V puts two blocks apart
 
 
 def test_paged_kernel_refuses_tables_outside_the_pool():
