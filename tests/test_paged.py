@@ -196,6 +196,12 @@ def test_flat_pool_finds_every_block(seed, num_blocks, block_size, n_kv, layout)
         assert (stride == 2 * size) == (layout == "side by side")  # only K beside V puts two blocks apart
 
 
+@pytest.mark.parametrize("shape", [(4, 2, 8), (0, 2, 1, 8), (3, 2, 1, 8, 1)])
+def test_flat_pool_names_a_pool_of_the_wrong_shape(shape):
+    with pytest.raises(ValueError, match=rf"got shape \({shape[0]}, "):
+        paged_attention.flat_pool(np.zeros(shape, np.float32))
+
+
 def test_paged_kernel_refuses_tables_outside_the_pool():
     q, k_pool, v_pool, tables, lengths = scattered_pool(0, 2, 40, 1, 1, 8, 16)
     tables = tables.copy()

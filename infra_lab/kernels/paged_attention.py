@@ -72,6 +72,8 @@ def flat_pool(pool) -> tuple[np.ndarray, int]:
     PagedKVCache, which keeps a block's K and V side by side. The rows within a block must be
     contiguous; if they are not, this returns a contiguous copy."""
     pool = np.asarray(pool)
+    if pool.ndim != 4 or len(pool) == 0:
+        raise ValueError(f"need a pool (num_blocks >= 1, block_size, n_kv_heads, d); got shape {pool.shape}")
     block_values = math.prod(pool.shape[1:])
     within = np.empty(pool.shape[1:], pool.dtype).strides  # C-contiguous strides inside a block
     stride = pool.strides[0]
