@@ -55,6 +55,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--skip-notebooks", action="store_true")
+    parser.add_argument("--only", help="run only the checks whose names contain one of these, comma-separated")
+    parser.add_argument("--notebooks", default="*", help="which notebooks to run, as a glob on the name (default *)")
     parser.add_argument("--notebook", help=argparse.SUPPRESS)  # internal: run one, print JSON
     args = parser.parse_args()
     if args.notebook:
@@ -72,12 +74,16 @@ def main() -> None:
     figures["default_backend"] = str(backend.current())
 
     def step(name, work):
+        if args.only and not any(part in name for part in args.only.split(",")):
+            return
         started = time.perf_counter()
         try:
             figures[name] = work()
         except Exception:  # one failed check must not hide the others
             figures[name] = {"error": traceback.format_exc(limit=3)}
         print(f"[{time.perf_counter() - started:6.1f} s] {name}: {json.dumps(figures[name], default=str)[:1500]}", flush=True)
+        if args.json:  # after every check, so a run stopped at its time limit keeps what it had
+            Path(args.json).write_text(json.dumps(figures, indent=1, default=str))
 
     if on_gpu:
         def agreement():
@@ -141,24 +147,10 @@ def main() -> None:
         step("small_gpt_cuda", small_gpt)
 
         def paged_cuda():
-            from infra_lab.kernels import paged_attention
+            sys.path.insert(0, str(ROOT / "benchmarks"))
+            import paged_gpu
 
-            device = hardware.measure(target="cuda", progress=False)
-            rows = {}
-            for batch, length in ((32, 2048), (64, 4096)):
-                heads, head_dim, block_size = 8, 128, 16
-                per_seq = length // block_size
-                generator = torch.Generator(device="cuda").manual_seed(0)
-                k_pool, v_pool = (torch.randn(batch * per_seq, block_size, heads, head_dim, device="cuda",
-                                              dtype=torch.bfloat16, generator=generator) for _ in range(2))
-                tables = torch.randperm(batch * per_seq, device="cuda", generator=generator).reshape(batch, per_seq)
-                lengths = torch.full((batch,), length, device="cuda")
-                q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=generator)
-                seconds = hardware.cuda_seconds(torch, lambda: paged_attention.paged_decode_torch(q, k_pool, v_pool, tables, lengths), 10)
-                moved = 2 * k_pool.numel() * k_pool.element_size()
-                rows[f"{batch}x{length}"] = {"cache_GBps": moved / seconds / 1e9,
-                                             "share_of_copy_bandwidth": moved / seconds / device.memory_bandwidth}
-            return rows
+            return paged_gpu.measure(hardware.measure(target="cuda", progress=False).memory_bandwidth)
 
         step("paged_decode_cuda", paged_cuda)
 
@@ -172,7 +164,8 @@ def main() -> None:
     if not args.skip_notebooks:
         path_list = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
         environment = {**os.environ, "MPLBACKEND": "Agg", "PYTHONPATH": path_list}
-        for path in sorted((ROOT / "book").glob("*.ipynb")) + sorted((ROOT / "solutions").glob("*.ipynb")):
+        pattern = f"{args.notebooks.removesuffix('.ipynb')}.ipynb"
+        for path in sorted((ROOT / "book").glob(pattern)) + sorted((ROOT / "solutions").glob(pattern)):
             def one(path=path):
                 done = subprocess.run([sys.executable, __file__, "--notebook", str(path)], cwd=path.parent,
                                       env=environment, capture_output=True, text=True, timeout=900)

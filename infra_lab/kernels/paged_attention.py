@@ -6,7 +6,9 @@ max_blocks) int, -1 past the end; lengths: (batch,). Sequence b's token t sits i
 block_tables[b, t // block_size] at slot t % block_size. The numba kernel reads a block's K rows
 and then its V rows, each row with every head, folds each block into an online softmax,
 prefetches the next block's rows as it goes, and merges per-split softmaxes (flash-decoding),
-like the contiguous kernel of chapter 01; torch gathers the blocks into a contiguous copy first.
+like the contiguous kernel of chapter 01. torch on a CUDA GPU runs a Triton kernel that does the
+same through the tables (paged_attention_triton); torch elsewhere gathers the blocks into a
+contiguous copy first.
 """
 from __future__ import annotations
 
@@ -205,11 +207,23 @@ def paged_decode_numba(q, k_pool, v_pool, block_tables, lengths, prefetch: bool 
     return out
 
 
+def _triton_on(device) -> bool:
+    """Whether the Triton kernel can run on `device`: a CUDA GPU, with triton installed."""
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401  (ships with torch's CUDA builds)
+    except ImportError:
+        return False
+    return True
+
+
 def paged_decode_torch(q, k_pool, v_pool, block_tables, lengths):
-    """torch: gather the blocks into contiguous K and V, then scaled_dot_product_attention with
-    a length mask. numpy in, numpy out (on the backend's device); or tensors in, tensors out."""
+    """torch. On a CUDA GPU with triton: paged_attention_triton's kernel, which reads each row once
+    through the block table. Elsewhere: gather the blocks into contiguous K and V, then
+    scaled_dot_product_attention with a length mask. numpy in, numpy out (on the backend's
+    device); or tensors in, tensors out."""
     import torch
-    import torch.nn.functional as F
 
     as_numpy = isinstance(q, np.ndarray)
     if as_numpy:
@@ -221,6 +235,22 @@ def paged_decode_torch(q, k_pool, v_pool, block_tables, lengths):
         block_tables = torch.as_tensor(np.asarray(block_tables), device=q.device)
     if not isinstance(lengths, torch.Tensor):
         lengths = torch.as_tensor(np.asarray(lengths), device=q.device)
+    if _triton_on(q.device):
+        from infra_lab.kernels.paged_attention_triton import paged_decode_triton
+
+        out = paged_decode_triton(q, k_pool, v_pool, block_tables, lengths)
+    else:
+        out = gather_then_sdpa(q, k_pool, v_pool, block_tables, lengths)
+    return out.cpu().numpy() if as_numpy else out
+
+
+def gather_then_sdpa(q, k_pool, v_pool, block_tables, lengths):
+    """torch tensors on one device: copy each sequence's blocks into contiguous K and V, then
+    scaled_dot_product_attention with a length mask. It moves the cache three times (read, write
+    the copy, read the copy); the benchmarks' peer."""
+    import torch
+    import torch.nn.functional as F
+
     batch, n_heads, d = q.shape
     n_kv = k_pool.shape[2]
     safe = block_tables.clamp(min=0)
@@ -230,8 +260,7 @@ def paged_decode_torch(q, k_pool, v_pool, block_tables, lengths):
     if group > 1:
         keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
     mask = torch.arange(keys.shape[2], device=q.device)[None, :] < lengths[:, None]
-    out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask[:, None, None, :])[:, :, 0]
-    return out.cpu().numpy() if as_numpy else out
+    return F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask[:, None, None, :])[:, :, 0]
 
 
 FACES = {"numpy": paged_decode_numpy, "numba": paged_decode_numba, "torch": paged_decode_torch}
