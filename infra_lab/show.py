@@ -48,7 +48,8 @@ class Source:
 
 def source_of(obj: object) -> Source:
     """The source of an infra_lab module, class or function, with where it lives."""
-    target = inspect.unwrap(getattr(obj, "py_func", obj))  # numba dispatchers and functools caches wrap it
+    # numba dispatchers (py_func), Triton kernels (fn) and functools caches (__wrapped__) wrap it
+    target = inspect.unwrap(getattr(obj, "py_func", None) or getattr(obj, "fn", None) or obj)
     try:
         path = Path(inspect.getsourcefile(target) or "").resolve()
         lines, first_line = inspect.getsourcelines(target)

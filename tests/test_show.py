@@ -25,6 +25,12 @@ def test_show_reaches_through_functools_caches():
     assert code.startswith("@functools.cache") and "def paged_splits(" in code
 
 
+def test_show_reaches_through_triton_kernels():
+    triton_kernels = pytest.importorskip("infra_lab.kernels.paged_attention_triton")
+    code = show(triton_kernels._split_kernel).code
+    assert code.startswith("@triton.jit") and "def _split_kernel(" in code
+
+
 def test_show_lines_match_the_file():
     shown = show(stack.ttft_tpot)
     lines = open(stack.__file__).read().splitlines()
