@@ -5,14 +5,14 @@ its error against the numpy reference.
 
 The pools are laid out as PagedKVCache lays them out: each block's K rows, then its V rows, side
 by side. This VM's memory bandwidth drifts, so the roof is measured again before each of nine
-kernel timings and the share is the median of those back-to-back pairs. The kernel prefetches
-each block's rows one block ahead; each pair also times it without prefetching, and with K and V
-in two separate pools, for what each choice gains.
+kernel timings and the share is the median of those back-to-back pairs. Each pair also times
+the kernel with K and V in two separate pools.
 
-Three read-only probes say what the roof means for this kernel, which only reads: a plain sum
-over the same bytes read in order (the machine's read bandwidth; the copy roof counts reads and
-writes, which can overlap), the same sum through the same scattered block tables, and that sum
-with the same prefetching (the access pattern's own ceiling).
+Three read-only probes say what the access pattern costs, since the kernel only reads: a plain
+sum over the same blocks in table order (each sequence's blocks in turn: a jump to a random
+block every 16 rows), the same with the next block prefetched in software, and in address order
+(the order the kernel reads the pool in). The copy roof counts reads and writes, which can
+overlap, so a read-only pass can exceed it.
 
     python benchmarks/paged.py [--rounds 9] [--json out.json]
 """
@@ -52,43 +52,43 @@ def main() -> None:
     device = hardware.measure(target="cpu", refresh=True)
     moved = kv.nbytes
 
-    def kernel(prefetch, pools=(k_pool, v_pool)):
-        return lambda: paged_attention.paged_decode_numba(q, *pools, tables, lengths, prefetch=prefetch)
+    def kernel(pools):
+        return lambda: paged_attention.paged_decode_numba(q, *pools, tables, lengths)
 
     # This VM's memory bandwidth drifts by half within a minute, so the roof is measured again
     # (the same STREAM copy that hardware.measure() runs) right before each kernel timing, and each
     # share is a pair taken back to back. The headline is the median pair.
-    rounds = []  # (roof bytes/s, seconds with prefetch, seconds without, seconds with K and V in two pools)
+    rounds = []  # (roof bytes/s, seconds, seconds with K and V in two pools)
     for _ in range(args.rounds):
         roof = hardware.stream_bandwidth("copy", hardware.DRAM_BYTES)
-        rounds.append((roof, hardware.best_seconds(kernel(True), 3), hardware.best_seconds(kernel(False), 3),
-                       hardware.best_seconds(kernel(True, apart), 3)))
-    shares = sorted(moved / seconds / roof for roof, seconds, _, _ in rounds)
-    ours = min(seconds for _, seconds, _, _ in rounds)
+        rounds.append((roof, hardware.best_seconds(kernel((k_pool, v_pool)), 3), hardware.best_seconds(kernel(apart), 3)))
+    shares = sorted(moved / seconds / roof for roof, seconds, _ in rounds)
+    ours = min(seconds for _, seconds, _ in rounds)
     torch_kv = torch.from_numpy(kv)
     torch_args = [torch.from_numpy(q), torch_kv[:, 0], torch_kv[:, 1], torch.from_numpy(tables), torch.from_numpy(lengths)]
     theirs = hardware.best_seconds(lambda: paged_attention.paged_decode_torch(*torch_args), 7)
     blocks = kv.reshape(len(kv), -1)  # (blocks, floats): a block's K and V, one contiguous stretch
-    tasks = tables.reshape(-1, paged_attention.SPLIT_BLOCKS)  # the blocks of one kernel task per row
-    in_order = np.arange(tables.size).reshape(tasks.shape)
+    table_order = tables.reshape(-1, 16)  # rows of 16 blocks: read_blocks prefetches within a row
+    address_order = np.sort(tables, axis=None).reshape(table_order.shape)
 
     def read(order, prefetch):
         return hardware.best_seconds(lambda: read_blocks(blocks, order, prefetch), 7)
 
-    ordered_read, scattered_read, prefetched_read = read(in_order, False), read(tasks, False), read(tasks, True)
+    scattered_read, prefetched_read = read(table_order, False), read(table_order, True)
+    ordered_read = read(address_order, False)
     reference = paged_attention.paged_decode_numpy(q, k_pool, v_pool, tables, lengths)
     got = paged_attention.paged_decode_numba(q, k_pool, v_pool, tables, lengths)
     figures = {"bytes_moved": moved, "numba_GBps": moved / ours / 1e9, "torch_GBps": moved / theirs / 1e9,
                "share_of_roof": float(np.median(shares)), "share_of_roof_lowest": shares[0],
                "share_of_roof_highest": shares[-1], "roofs_GBps": [roof / 1e9 for roof, *_ in rounds],
-               "pair_shares": [moved / seconds / roof for roof, seconds, _, _ in rounds],
+               "pair_shares": [moved / seconds / roof for roof, seconds, _ in rounds],
                "measured_roof_GBps": device.memory_bandwidth / 1e9,
                "share_of_measured_roof": moved / ours / device.memory_bandwidth, "speedup_vs_torch": theirs / ours,
-               "prefetch_speedup": float(np.median([without / seconds for _, seconds, without, _ in rounds])),
-               "side_by_side_speedup": float(np.median([two_pools / seconds for _, seconds, _, two_pools in rounds])),
-               "read_in_order_GBps": moved / ordered_read / 1e9, "read_scattered_GBps": moved / scattered_read / 1e9,
-               "read_scattered_prefetched_GBps": moved / prefetched_read / 1e9,
-               "share_of_read_prefetched": prefetched_read / ours,
+               "side_by_side_speedup": float(np.median([two_pools / seconds for _, seconds, two_pools in rounds])),
+               "read_table_order_GBps": moved / scattered_read / 1e9,
+               "read_table_order_prefetched_GBps": moved / prefetched_read / 1e9,
+               "read_address_order_GBps": moved / ordered_read / 1e9,
+               "share_of_read_in_address_order": ordered_read / ours,
                "max_rel_error": float(np.abs(got - reference).max() / np.abs(reference).max())}
     print(f"paged decode, {batch} x {length} tokens, {heads} heads of {head_dim}, blocks of {block_size}: "
           f"numba reaches {figures['share_of_roof']:.0%} of the memory roof (median of {args.rounds} back-to-back pairs; "
@@ -96,11 +96,11 @@ def main() -> None:
           f"best {figures['numba_GBps']:.1f} GB/s, {figures['share_of_measured_roof']:.0%} of hardware.measure()'s "
           f"{figures['measured_roof_GBps']:.1f} GB/s")
     print(f"torch gather+SDPA {figures['torch_GBps']:.1f} GB/s; numba/torch speed {figures['speedup_vs_torch']:.1f}x; "
-          f"max rel error {figures['max_rel_error']:.1e}; prefetching makes the kernel {figures['prefetch_speedup']:.2f}x as fast, "
-          f"and K beside V in each block {figures['side_by_side_speedup']:.2f}x as fast as two pools")
-    print(f"read-only probes over the same bytes: in order {figures['read_in_order_GBps']:.1f} GB/s, through the same "
-          f"scattered tables {figures['read_scattered_GBps']:.1f} GB/s, and with the next block prefetched "
-          f"{figures['read_scattered_prefetched_GBps']:.1f} GB/s (the kernel reaches {figures['share_of_read_prefetched']:.0%} of it)")
+          f"max rel error {figures['max_rel_error']:.1e}; K beside V in each block makes the kernel "
+          f"{figures['side_by_side_speedup']:.2f}x as fast as two pools")
+    print(f"read-only probes over the same bytes: in table order {figures['read_table_order_GBps']:.1f} GB/s, the same with "
+          f"the next block prefetched {figures['read_table_order_prefetched_GBps']:.1f} GB/s, in address order "
+          f"{figures['read_address_order_GBps']:.1f} GB/s (the kernel reaches {figures['share_of_read_in_address_order']:.0%} of it)")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(figures, handle, indent=1)

@@ -1,4 +1,5 @@
 """The paged KV cache against a brute-force model: random allocate/append/fork/free sequences."""
+import numba
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -175,14 +176,32 @@ def test_paged_kernels_agree_with_the_reference(seed, batch, length, n_kv, group
         np.testing.assert_allclose(got, reference, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
+@given(seed=st.integers(0, 2**32 - 1), batch=st.integers(1, 4), length=st.integers(1, 200),
+       block_size=st.sampled_from([1, 3, 16]))
+def test_address_order_lists_every_block_in_use_once_by_address(seed, batch, length, block_size):
+    _, k_pool, _, tables, lengths = scattered_pool(seed, batch, length, 1, 1, 4, block_size)
+    tables[:, : len(tables[0]) // 2] = tables[0, : len(tables[0]) // 2]  # share a prefix, as forks do
+    blocks, seqs, logicals = paged_attention.address_order(tables, lengths, block_size)
+    expected = sorted((tables[b, j], b, j) for b in range(batch) for j in range(-(-lengths[b] // block_size)))
+    assert sorted(zip(blocks.tolist(), seqs.tolist(), logicals.tolist())) == expected  # each (b, j) once
+    assert (np.diff(blocks) >= 0).all()  # in address order
+
+
 @settings(max_examples=40)
-@given(seed=st.integers(0, 2**32 - 1), batch=st.integers(1, 3), length=st.integers(1, 600),
-       d=st.sampled_from([8, 16, 24]), block_size=st.sampled_from([1, 3, 16]))
-def test_prefetching_changes_no_result_bit(seed, batch, length, d, block_size):
-    args = scattered_pool(seed, batch, length, 2, 2, d, block_size)
-    with_prefetch = paged_attention.paged_decode_numba(*args)
-    without = paged_attention.paged_decode_numba(*args, prefetch=False)
-    assert np.array_equal(with_prefetch, without)
+@given(seed=st.integers(0, 2**32 - 1), batch=st.integers(2, 4), length=st.integers(1, 300),
+       shared=st.integers(1, 5), threads=st.sampled_from([1, 2]))
+def test_paged_kernel_reads_shared_blocks_for_every_sequence_that_holds_them(seed, batch, length, shared, threads):
+    q, k_pool, v_pool, tables, lengths = scattered_pool(seed, batch, length, 2, 2, 16, 4)
+    shared = min(shared, tables.shape[1])
+    tables[:, :shared] = tables[0, :shared]  # a common prefix: each sequence's first blocks are sequence 0's
+    reference = paged_attention.paged_decode_numpy(q, k_pool, v_pool, tables, lengths)
+    before = numba.get_num_threads()
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))  # one chunk, or several to merge
+    try:
+        got = paged_attention.paged_decode_numba(q, k_pool, v_pool, tables, lengths)
+    finally:
+        numba.set_num_threads(before)
+    np.testing.assert_allclose(got, reference, rtol=1e-4, atol=1e-5)
 
 
 @given(seed=st.integers(0, 2**32 - 1), num_blocks=st.integers(1, 6), block_size=st.sampled_from([1, 3]),

@@ -21,8 +21,8 @@ def test_show_reaches_through_numba_dispatchers():
 
 
 def test_show_reaches_through_functools_caches():
-    code = show(paged_attention._paged_splits_for).code
-    assert code.startswith("@functools.cache") and "def paged_splits(" in code
+    code = show(paged_attention._paged_chunks_for).code
+    assert code.startswith("@functools.cache") and "def paged_chunks(" in code
 
 
 def test_show_reaches_through_triton_kernels():

@@ -3,12 +3,12 @@
 k_pool, v_pool: (num_blocks, block_size, n_kv_heads, head_dim), one layer of a PagedKVCache (views
 of one array that keeps each block's K beside its V) or two arrays; block_tables: (batch,
 max_blocks) int, -1 past the end; lengths: (batch,). Sequence b's token t sits in block
-block_tables[b, t // block_size] at slot t % block_size. The numba kernel reads a block's K rows
-and then its V rows, each row with every head, folds each block into an online softmax,
-prefetches the next block's rows as it goes, and merges per-split softmaxes (flash-decoding),
-like the contiguous kernel of chapter 01. torch on a CUDA GPU runs a Triton kernel that does the
-same through the tables (paged_attention_triton); torch elsewhere gathers the blocks into a
-contiguous copy first.
+block_tables[b, t // block_size] at slot t % block_size (PagedAttention: Kwon et al., SOSP 2023).
+The numba kernel reads the pool in address order rather than sequence by sequence: it folds
+each block into the online softmax (chapter 02) of the sequence that owns it, so the hardware
+prefetchers see one stream per thread, and merges the threads' softmaxes at the end. torch on
+a CUDA GPU runs a Triton kernel that reads through the tables (paged_attention_triton); torch
+elsewhere gathers the blocks into a contiguous copy first.
 """
 from __future__ import annotations
 
@@ -20,8 +20,7 @@ import numpy as np
 
 from infra_lab import backend as backends
 from infra_lab.kernels.attention import LN_2, LOG2_E
-from infra_lab.kernels.attention_decode import _merge_splits, decode_attention_numpy
-from infra_lab.kernels.prefetch import prefetch_span
+from infra_lab.kernels.attention_decode import decode_attention_numpy
 
 
 def _check(q, k_pool, v_pool, block_tables, lengths) -> None:
@@ -65,9 +64,6 @@ def paged_decode_numpy(q, k_pool, v_pool, block_tables, lengths):
     return decode_attention_numpy(q, keys, values, np.asarray(lengths))
 
 
-SPLIT_BLOCKS = 16  # blocks per task
-
-
 def flat_pool(pool) -> tuple[np.ndarray, int]:
     """pool (num_blocks, block_size, n_kv_heads, d) as a flat 1-D view that starts at its first
     value, and the distance from one block to the next, in values. Blocks may sit apart, as in
@@ -86,53 +82,47 @@ def flat_pool(pool) -> tuple[np.ndarray, int]:
     return np.lib.stride_tricks.as_strided(pool, (span,), (pool.itemsize,), writeable=False), stride // pool.itemsize
 
 
-@numba.njit(inline="always")
-def _first_block_of(task, n_splits, tables, lengths, block_size):  # the task's first physical block; -1 if none
-    if task >= tables.shape[0] * n_splits:
-        return -1
-    b, first_block = task // n_splits, task % n_splits * SPLIT_BLOCKS
-    return tables[b, first_block] if first_block * block_size < lengths[b] else -1
+def address_order(block_tables, lengths, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every block in use, as (physical block, sequence, logical block) sorted by physical block:
+    the order in which the kernel reads the pool. A shared block appears once per sequence that
+    holds it, one after another, so the kernel reads it from memory once and then from cache."""
+    tables, lengths = np.asarray(block_tables, np.int64), np.asarray(lengths, np.int64)
+    used = np.arange(tables.shape[1]) < -(-lengths[:, None] // block_size)  # (batch, max_blocks)
+    seqs, logicals = np.nonzero(used)
+    blocks = tables[seqs, logicals]
+    order = np.argsort(blocks, kind="stable")
+    return blocks[order], seqs[order], logicals[order]
 
 
 @functools.cache
-def _paged_splits_for(head_dim: int):
+def _paged_chunks_for(head_dim: int):
     """The kernel below with head_dim fixed when numba compiles it, so LLVM turns each loop over
     d into whole vector instructions. One compile per head_dim, cached on disk like the rest."""
 
     @numba.njit(parallel=True, fastmath=True, cache=True)
-    def paged_splits(q, k_flat, v_flat, k_stride, v_stride, block_size, n_kv, tables, lengths, scale,
-                     top, total, acc, prefetch):
-        # k_flat, v_flat: flat pools; in block n, (slot, KV head g) starts at n * stride + (slot * n_kv + g) * d
-        batch, n_heads = q.shape[:2]
+    def paged_chunks(q_scaled, k_flat, v_flat, k_stride, v_stride, block_size, n_kv, blocks, seqs, logicals,
+                     lengths, bounds, top, total, acc):
+        # k_flat, v_flat: flat pools; in block n, (slot, KV head g) starts at n * stride + (slot * n_kv + g) * d.
+        # Chunk c reads entries bounds[c]:bounds[c + 1] of the address-ordered (blocks, seqs, logicals)
+        # and leaves a running softmax per (sequence, head) in top[c], total[c], acc[c].
+        batch, n_heads = q_scaled.shape[:2]
         d = head_dim  # a compile-time constant
         row_values = n_kv * d  # one position's row of a block: every KV head
         group = n_heads // n_kv
-        n_splits = top.shape[1]
-        for task in numba.prange(batch * n_splits):
-            b, split = task // n_splits, task % n_splits
-            first_block = split * SPLIT_BLOCKS
-            last = min(lengths[b], (first_block + SPLIT_BLOCKS) * block_size)  # one past the last token
-            if first_block * block_size >= last:
-                continue
-            end_block = (last + block_size - 1) // block_size
-            query = q[b] * scale  # (n_heads, d), local and contiguous
+        for c in numba.prange(len(bounds) - 1):
+            queries = q_scaled.copy()  # (batch, n_heads, d): this thread's own copy
+            peaks = np.full((batch, n_heads), -np.inf, np.float32)  # running max of the scores
+            weights = np.zeros((batch, n_heads), np.float32)  # running sum of exp(score - peak)
+            outs = np.zeros((batch, n_heads, d), np.float32)  # running sum of exp(score - peak) * value
             scores = np.empty((n_heads, block_size), np.float32)  # one block's scores, then weights
             bits = np.empty(block_size, np.int32)  # scratch: the float bits of 2^n
             block_peak = np.empty(n_heads, np.float32)  # this block's highest score, per head
-            peak = np.full(n_heads, -np.inf, np.float32)  # running max of the scores, per head
-            weight = np.zeros(n_heads, np.float32)  # running sum of exp(score - peak)
-            out = np.zeros((n_heads, d), np.float32)  # running sum of exp(score - peak) * value
-            for logical in range(first_block, end_block):
-                block = tables[b, logical]
-                rows = min(block_size, last - logical * block_size)
-                # the block read after this one: the task's next, or the next task's first (numba
-                # gives each thread a contiguous range of tasks); its rows are prefetched one block ahead
-                upcoming = tables[b, logical + 1] if logical + 1 < end_block else \
-                    _first_block_of(task + 1, n_splits, tables, lengths, block_size)
+            for entry in range(bounds[c], bounds[c + 1]):
+                block, b = blocks[entry], seqs[entry]
+                rows = min(block_size, lengths[b] - logicals[entry] * block_size)
+                query, peak, weight, out = queries[b], peaks[b], weights[b], outs[b]
                 block_peak[:] = -np.inf
                 for slot in range(rows):
-                    if prefetch and upcoming >= 0:
-                        prefetch_span(k_flat, upcoming * k_stride + slot * row_values, row_values)
                     for g in range(n_kv):
                         start = block * k_stride + (slot * n_kv + g) * d
                         key = k_flat[start: start + d]
@@ -142,9 +132,9 @@ def _paged_splits_for(head_dim: int):
                                 s += query[h, i] * key[i]
                             scores[h, slot] = s
                             block_peak[h] = max(block_peak[h], s)
-                for h in range(n_heads):  # online softmax (chapter 02): fold this block into the running sums
+                for h in range(n_heads):  # online softmax (chapter 02): fold this block into b's running sums
                     if block_peak[h] > peak[h]:  # rescale only when the max grows, rare after the first blocks
-                        shrink = np.float32(math.exp(peak[h] - block_peak[h]))  # 0 for the first block
+                        shrink = np.float32(math.exp(peak[h] - block_peak[h]))  # 0 for b's first block
                         peak[h] = block_peak[h]
                         weight[h] *= shrink
                         for i in range(d):
@@ -167,8 +157,6 @@ def _paged_splits_for(head_dim: int):
                         block_weight += row[slot]
                     weight[h] += block_weight
                 for slot in range(rows):
-                    if prefetch and upcoming >= 0:
-                        prefetch_span(v_flat, upcoming * v_stride + slot * row_values, row_values)
                     for g in range(n_kv):
                         start = block * v_stride + (slot * n_kv + g) * d
                         value = v_flat[start: start + d]
@@ -176,35 +164,36 @@ def _paged_splits_for(head_dim: int):
                             p = scores[h, slot]
                             for i in range(d):
                                 out[h, i] += p * value[i]
-            top[b, split] = peak
-            total[b, split] = weight
-            acc[b, split] = out
+            top[c] = peaks
+            total[c] = weights
+            acc[c] = outs
 
-    return paged_splits
+    return paged_chunks
 
 
-def paged_decode_numba(q, k_pool, v_pool, block_tables, lengths, prefetch: bool = True):
-    """CPU, float32: tasks of SPLIT_BLOCKS blocks per sequence, each an online softmax over its
-    blocks (K block, then V block), merged like flash-decoding. Pools may be views whose blocks
-    sit apart (see flat_pool): PagedKVCache keeps a block's K and V side by side, so the kernel
-    reads one contiguous stretch per block. `prefetch` asks for each row of the next block one
-    block ahead (see kernels.prefetch); False leaves the loads to the hardware prefetchers."""
+def paged_decode_numba(q, k_pool, v_pool, block_tables, lengths):
+    """CPU, float32. The kernel reads the pool in address order (see address_order), not sequence
+    by sequence: each thread takes one contiguous stretch of it, and folds each block into the
+    running softmax of the sequence that owns it, so the hardware prefetchers see one stream per
+    thread. The threads' softmaxes then merge, like flash-decoding's splits. Pools may be views
+    whose blocks sit apart (see flat_pool); PagedKVCache keeps a block's K beside its V, so each
+    block is one contiguous stretch. Each thread keeps batch x n_heads x (d + 2) floats of state."""
     _check(q, k_pool, v_pool, block_tables, lengths)
     lengths = np.asarray(lengths, np.int64)
     batch, n_heads, d = q.shape
     block_size, n_kv = k_pool.shape[1], k_pool.shape[2]
-    split_len = SPLIT_BLOCKS * block_size
-    n_splits = -(-int(lengths.max()) // split_len)
-    top = np.empty((batch, n_splits, n_heads), np.float32)
-    total = np.empty((batch, n_splits, n_heads), np.float32)
-    acc = np.empty((batch, n_splits, n_heads, d), np.float32)
+    blocks, seqs, logicals = address_order(block_tables, lengths, block_size)
+    n_chunks = numba.get_num_threads()
+    bounds = np.linspace(0, len(blocks), n_chunks + 1).astype(np.int64)  # equal shares of the blocks in use
+    top = np.empty((n_chunks, batch, n_heads), np.float32)  # -inf where a chunk holds none of a sequence
+    total = np.empty((n_chunks, batch, n_heads), np.float32)
+    acc = np.empty((n_chunks, batch, n_heads, d), np.float32)
     (k_flat, k_stride), (v_flat, v_stride) = flat_pool(k_pool), flat_pool(v_pool)
-    kernel = _paged_splits_for(d)
-    kernel(np.ascontiguousarray(q, np.float32), k_flat, v_flat, k_stride, v_stride, block_size, n_kv,
-           np.asarray(block_tables, np.int64), lengths, np.float32(1 / math.sqrt(d)), top, total, acc, bool(prefetch))
-    out = np.empty((batch, n_heads, d), np.float32)
-    _merge_splits(top, total, acc, lengths, out, split_len)
-    return out
+    q_scaled = np.ascontiguousarray(q, np.float32) * np.float32(1 / math.sqrt(d))
+    _paged_chunks_for(d)(q_scaled, k_flat, v_flat, k_stride, v_stride, block_size, n_kv, blocks, seqs, logicals,
+                         lengths, bounds, top, total, acc)
+    rescale = np.exp(top - top.max(axis=0))  # (n_chunks, batch, n_heads); 0 where a chunk saw none
+    return ((rescale[..., None] * acc).sum(axis=0) / (rescale * total).sum(axis=0)[..., None]).astype(np.float32)
 
 
 def _triton_on(device) -> bool:
