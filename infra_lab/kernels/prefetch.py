@@ -1,11 +1,12 @@
 """Software prefetch for numba kernels, and a read-only probe that shows what it buys.
 
 A CPU's hardware prefetchers learn a stream of addresses and load ahead of it. A paged KV cache
-breaks the stream: after every block the kernel jumps to another block, chosen by the block
-table, and the prefetchers must learn the stream again. `prefetch_l2` lets a kernel that knows
-the block table say where it goes next, one block ahead. `benchmarks/paged.py` measures the
-effect with `read_blocks`: the same bytes read in order, through scattered tables, and through
-scattered tables with the next block prefetched.
+breaks the stream: after every block, a kernel that reads one sequence after another jumps to
+another block, chosen by the block table, and the prefetchers must learn the stream again.
+`prefetch_l2` lets a kernel that knows the block table say where it goes next, one block ahead.
+`read_blocks` is the probe: `benchmarks/paged.py` and chapter 03 read the same bytes through
+the scattered tables, through them with the next block prefetched, and in address order, which
+is the order the paged kernel itself reads the pool in.
 """
 from __future__ import annotations
 
