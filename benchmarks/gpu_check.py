@@ -3,10 +3,11 @@
 1. the backend picks torch on CUDA by itself;
 2. the torch faces of the kernels agree with the numpy references on the GPU;
 3. hardware.measure() on the GPU: copy bandwidth and matmul FLOP/s per dtype;
-4. the chapter's kernels on the GPU's roofline;
+4. the chapter's kernels on the GPU's roofline, the small GPT on CUDA, and chapter 03's paged
+   decode kernel against the copy bandwidth (benchmarks/paged_gpu.py);
 5. every chapter and solution notebook runs, cell by cell, on torch/CUDA.
 
-    python benchmarks/gpu_check.py [--json figures.json] [--skip-notebooks]
+    python benchmarks/gpu_check.py [--json figures.json] [--skip-notebooks] [--only NAME,...] [--notebooks 'ch03*']
 
 Without a GPU it says so, and still runs the notebooks on the CPU (a dry run of the script).
 """

@@ -30,13 +30,11 @@ from infra_lab import hardware
 from infra_lab.kernels import paged_attention
 from infra_lab.kernels.paged_attention_triton import default_split_tokens, paged_decode_triton
 
-INPUTS = {"bar: 32 x 2048, 8 x 64, fp32": (32, 2048, 8, 64, torch.float32),
+INPUTS = {"bar: 32 x 2048, 8 x 64, fp32": (32, 2048, 8, 64, torch.float32),  # batch, length, heads, head_dim, dtype
           "64 x 4096, 8 x 128, bf16": (64, 4096, 8, 128, torch.bfloat16)}
-BLOCK_SIZE = 16
-
-
 DRY_INPUTS = {"dry run: 2 x 64, 2 x 16, fp32": (2, 64, 2, 16, torch.float32),
               "dry run: 2 x 64, 2 x 16, bf16": (2, 64, 2, 16, torch.bfloat16)}
+BLOCK_SIZE = 16
 DEVICE = "cpu" if "--dry-run" in sys.argv else "cuda"
 
 

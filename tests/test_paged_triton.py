@@ -53,7 +53,7 @@ def test_triton_kernel_names_a_tile_that_is_not_a_power_of_two():
         paged_decode_triton(*args, tile=24)
 
 
-def test_splits_give_every_sm_work_and_cover_the_sequence():
+def test_split_size_is_whole_tiles_aimed_at_eight_programs_per_sm():
     cpu = torch.device("cpu")  # one "SM": splits of at least a tile, a multiple of it
     assert default_split_tokens(batch=1, n_heads=1, max_len=1000, tile=64, device=cpu) == 128
     assert default_split_tokens(batch=64, n_heads=8, max_len=1000, tile=64, device=cpu) == 1024
