@@ -187,6 +187,13 @@ def test_address_order_lists_every_block_in_use_once_by_address(seed, batch, len
     assert (np.diff(blocks) >= 0).all()  # in address order
 
 
+@pytest.mark.parametrize("tables, lengths, block_size", [(np.zeros(3, int), [3], 4), (np.zeros((2, 3), int), [3], 4),
+                                                        (np.zeros((1, 3), int), [3], 0)])
+def test_address_order_names_tables_lengths_or_block_size_that_do_not_fit(tables, lengths, block_size):
+    with pytest.raises(ValueError, match="need block_tables \\(batch, max_blocks\\), lengths \\(batch,\\) and block_size >= 1"):
+        paged_attention.address_order(tables, lengths, block_size)
+
+
 @settings(max_examples=40)
 @given(seed=st.integers(0, 2**32 - 1), batch=st.integers(2, 4), length=st.integers(1, 300),
        shared=st.integers(1, 5), threads=st.sampled_from([1, 2]))

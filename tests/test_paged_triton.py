@@ -61,3 +61,12 @@ def test_split_size_is_whole_tiles_aimed_at_eight_programs_per_sm():
 
 def test_the_torch_face_gathers_on_the_cpu():
     assert not paged_attention._triton_on(torch.device("cpu"))
+
+
+def test_triton_kernel_names_shapes_that_do_not_fit():
+    q, k_pool, v_pool, tables, lengths = (torch.from_numpy(x) for x in
+                                          side_by_side_pool(np.random.default_rng(0), 2, 20, 1, 1, 8, 4))
+    with pytest.raises(ValueError, match=r"need block_tables \(batch=2, max_blocks\) and lengths \(2,\); got \(1, 5\)"):
+        paged_decode_triton(q, k_pool, v_pool, tables[:1], lengths)
+    with pytest.raises(ValueError, match="d must match"):
+        paged_decode_triton(q[..., :4], k_pool, v_pool, tables, lengths)

@@ -23,22 +23,33 @@ from infra_lab.kernels.attention import LN_2, LOG2_E
 from infra_lab.kernels.attention_decode import decode_attention_numpy
 
 
-def _check(q, k_pool, v_pool, block_tables, lengths) -> None:
+def _check_shapes(q, k_pool, v_pool, block_tables, lengths) -> None:
+    """Shapes only, so numpy arrays and torch tensors on any device pass through without a copy."""
     if len(q.shape) != 3 or len(k_pool.shape) != 4 or tuple(k_pool.shape) != tuple(v_pool.shape):
         raise ValueError(f"need q (batch, n_heads, d) and k_pool, v_pool (num_blocks, block_size, n_kv_heads, d); "
                          f"got q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, v_pool {tuple(v_pool.shape)}")
     batch, n_heads, d = q.shape
-    num_blocks, block_size, n_kv, _ = k_pool.shape
+    n_kv = k_pool.shape[2]
     if k_pool.shape[3] != d or n_heads % n_kv:
         raise ValueError(f"q {tuple(q.shape)} does not fit k_pool {tuple(k_pool.shape)}: d must match and "
                          "n_heads must be a multiple of n_kv_heads")
-    tables, lengths = np.asarray(block_tables), np.asarray(lengths)
-    if tables.ndim != 2 or tables.shape[0] != batch or lengths.shape != (batch,):
+    if len(block_tables.shape) != 2 or block_tables.shape[0] != batch or tuple(lengths.shape) != (batch,):
         raise ValueError(f"need block_tables (batch={batch}, max_blocks) and lengths ({batch},); "
-                         f"got {tables.shape} and {lengths.shape}")
+                         f"got {tuple(block_tables.shape)} and {tuple(lengths.shape)}")
+
+
+def _blocks_in_use(tables: np.ndarray, lengths: np.ndarray, block_size: int) -> np.ndarray:
+    """(batch, max_blocks) bool: the table entries that hold a sequence's tokens."""
+    return np.arange(tables.shape[1]) < -(-lengths[:, None] // block_size)
+
+
+def _check(q, k_pool, v_pool, block_tables, lengths) -> None:
+    tables, lengths = np.asarray(block_tables), np.asarray(lengths)
+    _check_shapes(q, k_pool, v_pool, tables, lengths)
+    num_blocks, block_size = k_pool.shape[:2]
     if (lengths < 1).any() or (lengths > tables.shape[1] * block_size).any():
         raise ValueError(f"lengths must be in [1, {tables.shape[1] * block_size}]; got {lengths.tolist()}")
-    used = np.arange(tables.shape[1]) < -(-lengths[:, None] // block_size)  # (batch, max_blocks): entries in use
+    used = _blocks_in_use(tables, lengths, block_size)
     outside = used & ((tables < 0) | (tables >= num_blocks))
     if outside.any():
         b = int(outside.any(axis=1).argmax())
@@ -87,8 +98,10 @@ def address_order(block_tables, lengths, block_size: int) -> tuple[np.ndarray, n
     the order in which the kernel reads the pool. A shared block appears once per sequence that
     holds it, one after another, so the kernel reads it from memory once and then from cache."""
     tables, lengths = np.asarray(block_tables, np.int64), np.asarray(lengths, np.int64)
-    used = np.arange(tables.shape[1]) < -(-lengths[:, None] // block_size)  # (batch, max_blocks)
-    seqs, logicals = np.nonzero(used)
+    if tables.ndim != 2 or lengths.shape != (len(tables),) or block_size < 1:
+        raise ValueError(f"need block_tables (batch, max_blocks), lengths (batch,) and block_size >= 1; "
+                         f"got {tables.shape}, {lengths.shape} and {block_size}")
+    seqs, logicals = np.nonzero(_blocks_in_use(tables, lengths, block_size))
     blocks = tables[seqs, logicals]
     order = np.argsort(blocks, kind="stable")
     return blocks[order], seqs[order], logicals[order]

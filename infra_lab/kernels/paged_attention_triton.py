@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2_E = 1.4426950408889634
+from infra_lab.kernels.attention import LOG2_E
+from infra_lab.kernels.paged_attention import _check_shapes
 
 
 @triton.jit
@@ -87,7 +88,10 @@ def paged_decode_triton(q, k_pool, v_pool, block_tables, lengths, *, tile: int =
                         split_tokens: int | None = None, num_warps: int = 4):
     """q (batch, n_heads, d); k_pool, v_pool (num_blocks, block_size, n_kv_heads, d) with the same
     strides (views of one cache, say); block_tables (batch, max_blocks); lengths (batch,), each >= 1.
-    All torch tensors on one device. Returns (batch, n_heads, d) in q's dtype."""
+    All torch tensors on one device. Returns (batch, n_heads, d) in q's dtype. Shapes are checked
+    here; the tables' values are not, since that would copy them off the GPU on every call (the
+    numpy-in path of paged_attention.paged_decode_torch checks them)."""
+    _check_shapes(q, k_pool, v_pool, block_tables, lengths)
     batch, n_heads, d = q.shape
     block_size, n_kv = k_pool.shape[1], k_pool.shape[2]
     if k_pool.stride() != v_pool.stride() or k_pool.stride(3) != 1:
