@@ -15,6 +15,8 @@ from infra_lab.grading import notebooks
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SETUP_MARK = "# Setup: installs infra_lab"
+EXERCISE_HEADING = "## Exercise"
+HINT_MARK = "**Hint.**"
 
 
 def repository_url(config_path: Path = REPO_ROOT / "_config.yml") -> str:
@@ -27,11 +29,14 @@ def repository_url(config_path: Path = REPO_ROOT / "_config.yml") -> str:
 
 def setup_cell_source(url: str) -> str:
     return (
-        f"{SETUP_MARK} when it is missing (a fresh Colab runtime), then says where kernels run.\n"
+        f"{SETUP_MARK} when it is missing (a fresh Colab runtime),\n"
+        "# sets the book's figure style and says where kernels run.\n"
         "import importlib.util, subprocess, sys\n"
         'if importlib.util.find_spec("infra_lab") is None:\n'
-        f'    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "infra-lab @ git+{url}"], check=True)\n'
-        "from infra_lab import backend\n"
+        f'    package = "infra-lab @ git+{url}"\n'
+        '    subprocess.run([sys.executable, "-m", "pip", "install", "-q", package], check=True)\n'
+        "from infra_lab import backend, figures\n"
+        "figures.book_style()  # SVG figures, fonts of at least 9 pt\n"
         "print(backend.describe())"
     )
 
@@ -56,3 +61,36 @@ def tidy(path: Path, url: str, write: bool = True) -> bool:
     if write and after != before:
         path.write_text(after, encoding="utf-8")
     return after != before
+
+
+def exercise_statements(stem: str, url: str | None = None,
+                        folder: Path = REPO_ROOT / "exercises") -> str:
+    """The chapter's exercises as Markdown for its page: each statement, its hint folded.
+
+    The statements are the `## Exercise` cells of exercises/`stem`.ipynb (written from
+    solutions/ by `infra-lab assign`, so no answer can leak). A paragraph that starts with
+    HINT_MARK folds under a "Hint" summary. Where the notebook is not at hand (a pip install),
+    only the link is given.
+    """
+    url = url or repository_url()
+    link = f"{url}/blob/main/exercises/{stem}.ipynb"
+    where = (f"Solve them in [`exercises/{stem}.ipynb`]({link}) and check yourself with "
+             f"`pytest --nbval-lax exercises/{stem}.ipynb`.")
+    path = folder / f"{stem}.ipynb"
+    if not folder.is_dir():
+        return where
+    cells = [cell.source for cell in notebooks.read(path).cells
+             if cell.cell_type == "markdown" and cell.source.startswith(EXERCISE_HEADING)]
+    if not cells:
+        raise ValueError(f"{path}: no markdown cell starts with {EXERCISE_HEADING!r}")
+    parts = []
+    for source in cells:
+        for paragraph in source.split("\n\n"):
+            if paragraph.startswith(EXERCISE_HEADING):
+                parts.append("#" + paragraph)  # one level below the page's Exercises heading
+            elif paragraph.startswith(HINT_MARK):
+                hint = paragraph[len(HINT_MARK):].strip()
+                parts.append(f"<details><summary>Hint</summary>\n\n{hint}\n\n</details>")
+            else:
+                parts.append(paragraph)
+    return "\n\n".join([*parts, where])

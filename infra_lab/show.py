@@ -1,13 +1,15 @@
 """Show the real code: render the source of an infra_lab function or class, highlighted.
 
 Chapters never paste code that lives in the package; they call `show(obj)`, so what the reader
-sees is exactly what the tests test. The HTML uses inline styles so it renders the same in
-Jupyter, on Colab and on the static site.
+sees is exactly what the tests test. A listing longer than FOLD_LINES is folded: the page shows
+the lines that carry the idea (`lines=(first text, last text)`) and keeps the whole listing behind
+a click. The HTML uses inline styles and wraps long lines, so it renders the same in Jupyter, on
+Colab and on the static site, and never runs past the page's edge.
 """
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pygments import highlight
@@ -15,6 +17,7 @@ from pygments.formatters import HtmlFormatter
 from pygments.lexers import PythonLexer
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
+FOLD_LINES = 30
 
 
 @dataclass(frozen=True)
@@ -34,16 +37,55 @@ class Source:
     def __repr__(self) -> str:  # plain text: terminals and text-only renderers
         return f"# {self.title}\n{self.code}"
 
+    def excerpt(self, first_text: str, last_text: str) -> Source:
+        """The lines from the first containing `first_text` to the next containing `last_text`."""
+        lines = self.code.splitlines(keepends=True)
+        start = next((i for i, line in enumerate(lines) if first_text in line), None)
+        if start is None:
+            raise ValueError(f"{self.title}: no line contains {first_text!r}")
+        end = next((i for i in range(start, len(lines)) if last_text in lines[i]), None)
+        if end is None:
+            raise ValueError(f"{self.title}: no line from {start + self.first_line} on "
+                             f"contains {last_text!r}")
+        return replace(self, code="".join(lines[start:end + 1]),
+                       first_line=self.first_line + start)
+
     def _repr_html_(self) -> str:
-        formatter = HtmlFormatter(noclasses=True, nowrap=False, style="default")
-        body = highlight(self.code, PythonLexer(), formatter)
-        return (
-            '<div class="infra-lab-source" style="border:1px solid #ddd;border-radius:4px;'
-            'margin:0.5em 0">'
-            '<div style="font-family:monospace;font-size:85%;padding:2px 8px;'
-            f'background:#f3f3f3;border-bottom:1px solid #ddd">{self.title}</div>'
-            f'<div style="padding:0 8px;overflow-x:auto">{body}</div></div>'
-        )
+        return _listing_html(self.title, self.code)
+
+
+@dataclass(frozen=True)
+class Folded:
+    """A long listing: the excerpt that carries the idea, and the whole of it behind a click."""
+
+    whole: Source
+    shown: Source | None  # None: nothing is picked, the whole listing is folded
+
+    @property
+    def code(self) -> str:
+        return self.whole.code
+
+    def __repr__(self) -> str:
+        return repr(self.shown or self.whole)
+
+    def _repr_html_(self) -> str:
+        count = self.whole.code.count("\n") + (not self.whole.code.endswith("\n"))
+        top = "" if self.shown is None else _listing_html(self.shown.title, self.shown.code)
+        return (f"{top}<details class=\"infra-lab-fold\"><summary>All {count} lines of "
+                f"{self.whole.title}</summary>{self.whole._repr_html_()}</details>")
+
+
+def _listing_html(title: str, code: str) -> str:
+    formatter = HtmlFormatter(noclasses=True, nowrap=False, style="default",
+                              prestyles="white-space:pre-wrap;overflow-wrap:anywhere")
+    body = highlight(code, PythonLexer(), formatter)
+    return (
+        '<div class="infra-lab-source" style="border:1px solid #ddd;border-radius:4px;'
+        'margin:0.5em 0">'
+        '<div style="font-family:monospace;font-size:85%;padding:2px 8px;'
+        f'background:#f3f3f3;border-bottom:1px solid #ddd">{title}</div>'
+        f'<div style="padding:0 8px">{body}</div></div>'
+    )
 
 
 def source_of(obj: object) -> Source:
@@ -67,6 +109,16 @@ def source_of(obj: object) -> Source:
     return Source("".join(lines), relative, max(first_line, 1))
 
 
-def show(obj: object) -> Source:
-    """Display the highlighted source of `obj`; the notebook renders the returned value."""
-    return source_of(obj)
+def show(obj: object, lines: tuple[str, str] | None = None) -> Source | Folded:
+    """Display the highlighted source of `obj`; the notebook renders the returned value.
+
+    `lines=(first text, last text)` picks the lines that carry the idea out of a long listing;
+    the whole listing then folds under them. A listing over FOLD_LINES lines with no pick is
+    folded whole.
+    """
+    whole = source_of(obj)
+    if lines is not None:
+        return Folded(whole, whole.excerpt(*lines))
+    if whole.last_line - whole.first_line + 1 > FOLD_LINES:
+        return Folded(whole, None)
+    return whole
