@@ -41,7 +41,7 @@ def test_stub_keeps_the_code_around_the_markers_and_its_indent():
     student = notebooks.to_assignment(nbformat.v4.new_notebook(cells=[cell, check]))
     assert student.cells[0].source == (
         'def f(x):\n    y = 1\n    # YOUR CODE HERE\n'
-        '    raise NotImplementedError("exercise ch99.f: replace this line with your code")\n')
+        '    raise NotImplementedError("exercise ch99.f: your code here")\n')
 
 
 def test_an_unclosed_marker_is_an_error():

@@ -69,3 +69,46 @@ def test_a_config_without_repository_url_is_named(tmp_path):
     config.write_text("title: x\n")
     with pytest.raises(ValueError, match="set repository.url"):
         book.repository_url(config)
+
+
+MAX_LINE = 88  # a notebook's code reads on the site's text column without a scroll bar
+
+
+def test_notebook_code_lines_fit_the_page(root):
+    for path in all_notebooks(root):
+        for cell in notebooks.read(path).cells:
+            if cell.cell_type == "code":
+                long = [line for line in cell.source.splitlines() if len(line) > MAX_LINE]
+                assert long == [], (path, long)
+
+
+def ends_in_markdown(source: str) -> bool:
+    """Whether the cell's last statement is a bare `Markdown(...)` (or `display(Markdown(...))`):
+    a cell that formats its output, whose input the reader need not see."""
+    import ast
+
+    try:
+        body = ast.parse(source).body
+    except SyntaxError:
+        return False
+    if not body or not isinstance(body[-1], ast.Expr) or not isinstance(body[-1].value, ast.Call):
+        return False
+    call = body[-1].value
+    if isinstance(call.func, ast.Name) and call.func.id == "display" and call.args:
+        call = call.args[0] if isinstance(call.args[0], ast.Call) else call
+    return isinstance(call.func, ast.Name) and call.func.id in ("Markdown", "HTML")
+
+
+def test_cells_that_format_their_output_hide_their_input(root):
+    for path in sorted((root / "book").glob("*.ipynb")):
+        for cell in notebooks.read(path).cells:
+            if cell.cell_type == "code" and ends_in_markdown(cell.source):
+                tags = cell.metadata.get("tags", [])
+                assert "remove-input" in tags, (path, cell.source[:80])
+
+
+def test_the_markdown_rule_sees_what_a_reader_sees():
+    assert ends_in_markdown("x = 1\nMarkdown(f'{x}')")
+    assert ends_in_markdown("display(Markdown('a'))")
+    assert not ends_in_markdown("Markdown('a')\nplt.show()")
+    assert not ends_in_markdown("show(stack.idle_fraction)")

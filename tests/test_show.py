@@ -3,6 +3,7 @@ import json
 import pytest
 
 from infra_lab import show, stack
+from infra_lab.show import FOLD_LINES
 from infra_lab.kernels import gemv, paged_attention
 
 
@@ -46,3 +47,39 @@ def test_show_refuses_code_outside_the_package():
 def test_show_refuses_objects_without_source():
     with pytest.raises(TypeError, match="got 3 of type int"):
         show(3)
+
+
+def test_short_listings_show_whole():
+    shown = show(stack.idle_fraction)
+    assert shown.last_line - shown.first_line + 1 <= FOLD_LINES
+    assert "<details" not in shown._repr_html_()
+
+
+def test_long_listings_fold_whole_without_a_pick():
+    folded = show(paged_attention._paged_chunks_for)
+    length = folded.whole.last_line - folded.whole.first_line + 1
+    assert length > FOLD_LINES and folded.shown is None
+    html = folded._repr_html_()
+    assert html.startswith("<details") and f"All {length} lines" in html
+
+
+def test_a_pick_shows_its_lines_and_folds_the_rest():
+    folded = show(paged_attention._paged_chunks_for, lines=("def paged_chunks(", "for "))
+    whole, part = folded.whole, folded.shown
+    file_lines = open(paged_attention.__file__).read().splitlines()
+    assert file_lines[part.first_line - 1].lstrip().startswith("def paged_chunks(")
+    assert "for " in file_lines[part.last_line - 1]
+    assert whole.first_line <= part.first_line <= part.last_line <= whole.last_line
+    assert part.title in folded._repr_html_() and "<details" in folded._repr_html_()
+    assert repr(folded) == repr(part)
+
+
+def test_a_pick_that_matches_nothing_is_named():
+    with pytest.raises(ValueError, match="no line contains 'no such text'"):
+        show(stack.idle_fraction, lines=("no such text", "return"))
+    with pytest.raises(ValueError, match="contains 'no such end'"):
+        show(stack.idle_fraction, lines=("def idle_fraction", "no such end"))
+
+
+def test_listings_wrap_instead_of_running_past_the_page():
+    assert "white-space:pre-wrap" in show(stack.idle_fraction)._repr_html_()

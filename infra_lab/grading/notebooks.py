@@ -100,8 +100,7 @@ def _stub_region(source: str, exercise: str) -> str:
             inside = True
             indent = line[: len(line) - len(line.lstrip())]
             out.append(f"{indent}{STUB}")
-            out.append(f'{indent}raise NotImplementedError("exercise {exercise}: '
-                       f'replace this line with your code")')
+            out.append(f'{indent}raise NotImplementedError("exercise {exercise}: your code here")')
         elif line.strip() == END:
             inside = False
         elif not inside:

@@ -1,0 +1,126 @@
+"""The explorer's static face: every setting of its selection controls is drawn, keyed, and
+switched by the page's script; numeric sliders are named as fixed; budgets are enforced."""
+import html
+import json
+import re
+
+import ipywidgets as widgets
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from infra_lab import explore  # noqa: E402
+
+
+def draw(batch, dtype="bf16", seed=0):
+    figure, ax = plt.subplots(figsize=(2, 1.5))
+    ax.set_title(f"batch={batch} dtype={dtype} seed={seed}")
+    ax.plot([0, 1], [0, batch])
+    return figure
+
+
+def frames_of(html):
+    payload = re.search(r'class="infra-lab-explorer-frames">(.*?)</script>', html, re.S).group(1)
+    return json.loads(payload.replace("<\\/", "</"))
+
+
+def test_static_face_draws_every_setting_under_its_indices():
+    controls = {"batch": widgets.SelectionSlider(options=[1, 8, 64], value=8),
+                "dtype": widgets.Dropdown(options=["fp32", "bf16"], value="bf16")}
+    axes = explore.static_axes(controls)
+    assert [(a.name, a.default) for a in axes] == [("batch", 1), ("dtype", 1)]
+    frames = explore.precompute(draw, controls, axes)
+    assert len(frames) == 6
+    for i, batch in enumerate([1, 8, 64]):
+        for j, dtype in enumerate(["fp32", "bf16"]):
+            assert f"batch={batch} dtype={dtype} seed=0" in frames[f"{i},{j}"]
+
+
+def test_numeric_sliders_stay_live_and_are_named_as_fixed():
+    controls = {"batch": widgets.SelectionSlider(options=[1, 8], value=1),
+                "seed": widgets.IntSlider(value=3, min=0, max=9, description="seed")}
+    axes = explore.static_axes(controls)
+    assert [a.name for a in axes] == ["batch"]
+    frames = explore.precompute(draw, controls, axes)
+    assert all("seed=3" in frame for frame in frames.values())
+    html = explore.static_html(frames, axes, {"seed": 3})
+    assert "Fixed here at seed = 3" in html and 'data-axis="seed"' not in html
+
+
+def test_page_carries_frames_controls_and_script():
+    controls = {"batch": widgets.SelectionSlider(options=[1, 8, 64], value=8,
+                                                 description="batch")}
+    axes = explore.static_axes(controls)
+    frames = explore.precompute(draw, controls, axes)
+    html = explore.static_html(frames, axes, {})
+    assert frames_of(html) == frames
+    assert 'type="range"' in html and 'value="1"' in html and 'data-key="1"' in html
+    assert explore.SCRIPT in html
+
+
+def test_a_frame_that_closes_a_script_tag_is_escaped():
+    controls = {"x": widgets.Dropdown(options=["a"], value="a")}
+    axes = explore.static_axes(controls)
+    html = explore.static_html({"0": "<svg></script></svg>"}, axes, {})
+    assert html.count("</script>") == 2  # the frames' and the switcher's, nothing inside
+    assert frames_of(html) == {"0": "<svg></script></svg>"}
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(1, 4096), min_size=1, max_size=6, unique=True), st.data())
+def test_each_control_offers_every_option_and_starts_at_the_value(options, data):
+    value = data.draw(st.sampled_from(options))
+    axis = explore.static_axes({"batch": widgets.SelectionSlider(options=options, value=value)})[0]
+    assert axis.values == tuple(options) and axis.default == options.index(value)
+    control = explore.control_html(axis)
+    if len(options) >= 3:  # ordered numbers: a range over the option indices
+        assert f'max="{len(options) - 1}"' in control and f'value="{axis.default}"' in control
+        assert json.loads(html.unescape(re.search(r'data-labels="([^"]*)"', control).group(1))) \
+            == [str(o) for o in options]
+    else:
+        assert control.count("<option") == len(options)
+        assert f'<option value="{axis.default}" selected>' in control
+
+
+def test_labels_come_from_label_value_pairs():
+    control = widgets.Dropdown(options=[("H100 SXM", "h100"), ("laptop", "cpu")], value="cpu")
+    axis = explore.static_axes({"device": control})[0]
+    assert axis.labels == ("H100 SXM", "laptop") and axis.values == ("h100", "cpu")
+    assert axis.default == 1
+
+
+def test_too_many_settings_are_refused_before_drawing():
+    calls = []
+    controls = {"a": widgets.Dropdown(options=list(range(9)), value=0),
+                "b": widgets.Dropdown(options=list(range(8)), value=0)}
+    with pytest.raises(ValueError, match="72 settings .*at most 64"):
+        explore.precompute(lambda **kw: calls.append(kw), controls, explore.static_axes(controls))
+    assert calls == []
+
+
+def test_the_byte_budget_is_enforced(monkeypatch):
+    monkeypatch.setattr(explore, "MAX_BYTES", 1000)
+    controls = {"batch": widgets.Dropdown(options=[1, 2], value=1)}
+    with pytest.raises(ValueError, match="passed 1,000 bytes"):
+        explore.precompute(draw, controls, explore.static_axes(controls))
+
+
+def test_explorer_needs_a_control_with_options():
+    with pytest.raises(ValueError, match="batch have none"):
+        explore.explorer(draw, batch=widgets.IntSlider(value=1))
+    with pytest.raises(ValueError, match="at least one control"):
+        explore.explorer(draw)
+
+
+def test_explorer_displays_both_faces(monkeypatch):
+    shown = []
+    monkeypatch.setattr(explore, "display", lambda obj, raw=False: shown.append(obj))
+    explore.explorer(draw, batch=widgets.SelectionSlider(options=[1, 8], value=8),
+                     seed=widgets.IntSlider(value=2))
+    bundle = shown[-1]
+    assert set(bundle) == {"text/plain", "text/html", explore.WIDGET_VIEW}
+    assert len(frames_of(bundle["text/html"])) == 2
+    assert bundle[explore.WIDGET_VIEW]["model_id"]
