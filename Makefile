@@ -5,8 +5,16 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # A CPU build of torch; set TORCH_SPEC="" to keep the torch you have (on Colab it is preinstalled).
 TORCH_SPEC ?= torch==2.13.0
+# The site serves MathJax itself, so math renders with no network. `make mathjax` unpacks it
+# from the npm registry into book/_static/mathjax (git ignores it); _config.yml points
+# Sphinx's mathjax_path at its one self-contained file, tex-svg-full.js (every TeX extension,
+# SVG output, no web fonts). The a11y/, input/, sre/ and ui/ folders serve what MathJax's
+# right-click menu loads on demand (the accessibility explorer).
+MATHJAX_VERSION := 3.2.2
+MATHJAX := book/_static/mathjax
+MATHJAX_STAMP := $(MATHJAX)/.mathjax-$(MATHJAX_VERSION)
 
-.PHONY: install book test chromium exercises clean
+.PHONY: install book test chromium exercises mathjax clean
 
 install: $(STAMP)
 
@@ -17,8 +25,24 @@ $(STAMP): pyproject.toml requirements.txt
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $(STAMP)
 
-book: $(STAMP)
-	$(BIN)/jupyter-book build . --warningiserror --keep-going
+mathjax: $(MATHJAX_STAMP)
+
+$(MATHJAX_STAMP):
+	@command -v npm >/dev/null 2>&1 || { \
+		echo "npm is needed to fetch MathJax $(MATHJAX_VERSION) (Debian: apt-get install npm)"; exit 1; }
+	rm -rf $(MATHJAX) $(MATHJAX).tmp
+	mkdir -p $(MATHJAX).tmp $(MATHJAX)
+	cd $(MATHJAX).tmp && npm pack --silent mathjax@$(MATHJAX_VERSION) >/dev/null \
+		&& tar -xzf mathjax-$(MATHJAX_VERSION).tgz
+	cd $(MATHJAX).tmp/package && cp -R LICENSE es5/tex-svg-full.js es5/a11y es5/input es5/sre es5/ui \
+		"$(CURDIR)/$(MATHJAX)/"
+	rm -rf $(MATHJAX).tmp
+	touch $@
+
+# TQDM_DISABLE=1 reaches the notebook kernels (they inherit the environment): progress bars
+# are for live learners, and a finished bar leaves an empty widget on the page.
+book: $(STAMP) $(MATHJAX_STAMP)
+	TQDM_DISABLE=1 $(BIN)/jupyter-book build . --warningiserror --keep-going
 	@echo "The book is at $(abspath _build/html/index.html)"
 
 chromium:

@@ -1,4 +1,7 @@
-"""The book's configuration fails the build on a cell error and on a Sphinx warning."""
+"""The book's configuration fails the build on a cell error and on a Sphinx warning, and builds
+pages that need no network: MathJax from the site itself, no widget state, no progress bars."""
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -11,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.site
 
 
-def build(tmp_path, notebook_cells):
+def build(tmp_path, notebook_cells, env=None):
     shutil.copy(ROOT / "_config.yml", tmp_path / "_config.yml")
     shutil.copytree(ROOT / "book" / "_ext", tmp_path / "book" / "_ext")
     shutil.copytree(ROOT / "book" / "_static", tmp_path / "book" / "_static")
@@ -22,7 +25,8 @@ def build(tmp_path, notebook_cells):
     (tmp_path / "_toc.yml").write_text("format: jb-book\nroot: book/intro\nchapters:\n  - file: book/page\n")
     jupyter_book = Path(sys.executable).parent / "jupyter-book"
     return subprocess.run([str(jupyter_book), "build", str(tmp_path), "--warningiserror", "--keep-going"],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
 
 
 def test_a_cell_error_fails_the_build(tmp_path):
@@ -35,3 +39,28 @@ def test_a_sphinx_warning_fails_the_build(tmp_path):
     done = build(tmp_path, [nbformat.v4.new_markdown_cell("# Page\n\nSee {ref}`no-such-label`.")])
     assert done.returncode != 0
     assert "no-such-label" in done.stdout + done.stderr
+
+
+def test_a_page_needs_no_network_and_ships_no_widget_state(tmp_path):
+    """MathJax from _static, no off-site script, no widget state or widget-only output, and
+    the kernel sees the TQDM_DISABLE that `make book` sets."""
+    cells = [nbformat.v4.new_markdown_cell("# Page\n\nMath: $E = mc^2$ and\n\n$$\\sum_i x_i$$"),
+             nbformat.v4.new_code_cell("import ipywidgets\nipywidgets.IntSlider()"),
+             nbformat.v4.new_code_cell("import os\n"
+                                       "print('TQDM_DISABLE =', os.environ.get('TQDM_DISABLE'))")]
+    done = build(tmp_path, cells, env={"TQDM_DISABLE": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    html = (tmp_path / "_build" / "html" / "book" / "page.html").read_text()
+    scripts = re.findall(r'<script[^>]*src="([^"]+)"', html)
+    assert [s for s in scripts if "mathjax" in s.lower()] == [
+        next(s for s in scripts if s.startswith("../_static/mathjax/tex-svg-full.js"))]
+    assert (tmp_path / "_build" / "html" / "_static" / "mathjax" / "tex-svg-full.js").is_file()
+    assert [s for s in scripts if "://" in s or s.startswith("//")] == []
+    assert "application/vnd.jupyter.widget-state+json" not in html
+    assert "IntSlider(" not in html and "widget-view" not in html  # a widget with no static face
+    assert "TQDM_DISABLE = 1" in html  # the kernel inherits the build's environment
+
+
+def test_make_book_builds_with_progress_bars_off():
+    dry = subprocess.run(["make", "-n", "book"], cwd=ROOT, capture_output=True, text=True)
+    assert re.search(r"^TQDM_DISABLE=1 \S*jupyter-book build ", dry.stdout, re.M), dry.stdout

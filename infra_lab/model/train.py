@@ -49,7 +49,7 @@ def train(size: str, out: Path, seed: int = 0, steps: int | None = None, progres
         raise ValueError(f"unknown size {size!r}; choose one of {', '.join(CONFIGS)}")
     if steps is not None and steps < 1:
         raise ValueError(f"steps must be >= 1; got {steps}")
-    from tqdm.auto import tqdm
+    from infra_lab import progress as progress_bars
 
     config = CONFIGS[size]
     total_steps, batch, peak_lr = SCHEDULES[size]
@@ -62,7 +62,7 @@ def train(size: str, out: Path, seed: int = 0, steps: int | None = None, progres
     optimizer = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.1)
     warmup = max(1, total_steps // 20)
     started = time.perf_counter()
-    bar = tqdm(range(total_steps), desc=f"training {size}", disable=not progress)
+    bar = progress_bars.bar(range(total_steps), desc=f"training {size}", show=progress)
     for step in bar:
         lr = peak_lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / total_steps))
         for group in optimizer.param_groups:
