@@ -37,6 +37,12 @@ STACK: tuple[Layer, ...] = (
     Layer("Hardware", "GPU/TPU compute units, HBM, interconnects; their roofline", ("01",)),
 )
 
+CHAPTERS: dict[str, str] = {  # chapter number -> short name, as the stack diagram labels it
+    "00": "the stack", "01": "roofline", "02": "attention", "03": "paged KV",
+    "04": "radix KV", "05": "batching", "06": "P/D split", "07": "speculative",
+    "08": "precision", "09": "MoE", "10": "parallelism", "11": "RL",
+}
+
 
 def decode_intensity(n_params: float, batch: int, bytes_per_param: float) -> float:
     """FLOP/byte of the weight matmuls in one decode step: each of `batch` tokens does 2 FLOPs
@@ -81,11 +87,16 @@ def decode_timeline(width: int, n_layers: int = 8, steps: int = 20,
 
     Each step pushes a vector through `n_layers` GEMVs of width x width (fp32) on the current
     backend, with the host-side work of a real loop in between (a nonlinearity and picking the
-    next input). On a GPU the weights stay on the device and each kernel is timed to its
-    completion. Returns the kernel (begin, end) intervals and the window, in seconds.
+    next input). A kernel's interval opens just before the `gemv` call and closes when it has
+    returned and, on a GPU, when `synchronize` says the kernel has finished: the call's Python
+    dispatch, the launch and the wait count as busy. The time between intervals is the loop's
+    own work: the nonlinearity (a small kernel of its own on a GPU, numpy's tanh on a CPU)
+    and the bookkeeping. On a GPU the weights stay on the device. Returns the kernel
+    (begin, end) intervals and the window, in seconds (`time.perf_counter`).
     """
     if width < 1 or n_layers < 1 or steps < 1:
-        raise ValueError(f"width, n_layers and steps must be >= 1; got {width}, {n_layers}, {steps}")
+        raise ValueError(f"width, n_layers and steps must be >= 1; "
+                         f"got {width}, {n_layers}, {steps}")
     rng = np.random.default_rng(seed)
     weights = [(rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32)
                for _ in range(n_layers)]  # each (width, width)
@@ -111,3 +122,17 @@ def decode_timeline(width: int, n_layers: int = 8, steps: int = 20,
             intervals.append((begin, time.perf_counter()))
             x = nonlinearity(y)  # host work between kernels
     return intervals, start, time.perf_counter()
+
+
+def step_windows(intervals: list[tuple[float, float]], start_s: float, end_s: float,
+                 n_layers: int) -> list[tuple[float, float]]:
+    """The (begin, end) of each decode step of a `decode_timeline`: step k runs from the call
+    of its first kernel (the window's start, for the first step) to the call of the next
+    step's first kernel (the window's end, for the last), the work after its last kernel
+    included. The windows tile [start_s, end_s]."""
+    if n_layers < 1 or not intervals or len(intervals) % n_layers:
+        raise ValueError(f"need a whole number of steps of n_layers >= 1 kernels; got "
+                         f"{len(intervals)} intervals and n_layers={n_layers}")
+    calls = [begin for begin, _ in intervals[n_layers::n_layers]]  # each later step's first
+    edges = [start_s, *calls, end_s]
+    return list(zip(edges[:-1], edges[1:]))

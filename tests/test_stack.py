@@ -60,3 +60,26 @@ def test_decode_timeline_records_ordered_kernels_inside_the_window():
 def test_every_chapter_of_the_plan_sits_on_one_layer():
     chapters = [c for layer in stack.STACK for c in layer.chapters]
     assert sorted(chapters) == [f"{n:02d}" for n in range(12)]
+
+
+@given(n_layers=st.integers(1, 6), steps=st.integers(1, 6),
+       gaps=st.lists(st.floats(0, 1), min_size=74, max_size=74))
+def test_step_windows_tile_the_run_and_each_holds_its_kernels(n_layers, steps, gaps):
+    edges = np.cumsum(gaps[:2 * n_layers * steps + 2])  # start, begin, end, ..., end of window
+    start, end = edges[0], edges[-1]
+    intervals = list(zip(edges[1:-1:2], edges[2:-1:2]))
+    windows = stack.step_windows(intervals, start, end, n_layers)
+    assert len(windows) == steps
+    assert windows[0][0] == start and windows[-1][1] == end
+    assert all(a[1] == b[0] for a, b in zip(windows, windows[1:]))
+    for k, (begin, finish) in enumerate(windows):
+        for kernel_begin, kernel_end in intervals[k * n_layers:(k + 1) * n_layers]:
+            assert begin <= kernel_begin <= kernel_end <= finish
+
+
+def test_step_windows_of_a_real_timeline():
+    intervals, start, end = stack.decode_timeline(16, n_layers=3, steps=4)
+    windows = stack.step_windows(intervals, start, end, 3)
+    assert len(windows) == 4 and windows[0][0] == start and windows[-1][1] == end
+    with pytest.raises(ValueError, match="got 12 intervals and n_layers=5"):
+        stack.step_windows(intervals, start, end, 5)
