@@ -1,5 +1,7 @@
 """Chapter 01's bars, in one run: this machine's roofs, the probe against numpy, and each
-kernel's share of its roof at full size.
+kernel's share of its roof at full size: the roof measured beside it in the same run (memory
+kernels in turns with the copy or read roof over arrays of their size, matmuls after the BLAS
+roof), named with the share.
 
     python benchmarks/roofline.py [--json out.json]
 """
@@ -32,8 +34,9 @@ def main() -> None:
         "one_thread_probe_over_numpy": one_thread_probe / one_thread_numpy,
         "peak_GFLOPs": {dtype: rate / 1e9 for dtype, rate in device.peak_flops.items()},
         "kernels": {run.label: {"intensity": run.cost.intensity, "GFLOPs": run.flops_per_s / 1e9,
-                                "GBps": run.bytes_per_s / 1e9,
-                                "share_of_roof": run.fraction_of_roof(device)} for run in runs},
+                                "GBps": run.bytes_per_s / 1e9, "roof": run.roof()[1],
+                                "roof_GFLOPs": run.roof()[0] / 1e9,
+                                "share_of_roof": run.fraction_of_roof()} for run in runs},
     }
     print(f"measure() took {measure_s:.1f} s on {device.name}")
     print(f"memory roof (numba copy) {figures['memory_roof_GBps']:.1f} GB/s; numpy copy "
@@ -41,7 +44,8 @@ def main() -> None:
           f"(one thread each: {figures['one_thread_probe_over_numpy']:.2f})")
     for label, kernel in figures["kernels"].items():
         print(f"{label:24s} {kernel['intensity']:8.2f} FLOP/B {kernel['GFLOPs']:8.1f} GFLOP/s "
-              f"{kernel['GBps']:6.1f} GB/s  {kernel['share_of_roof']:5.0%} of roof")
+              f"{kernel['GBps']:6.1f} GB/s  {kernel['share_of_roof']:5.0%} of the {kernel['roof']} "
+              "roof measured beside it")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(figures, handle, indent=1)

@@ -20,7 +20,7 @@ import numpy as np
 
 TERA = 1e12
 GB = 1e9  # datasheets' GB and TB/s are decimal
-PROBE_VERSION = 2  # bump when measure() changes, so cached results are redone
+PROBE_VERSION = 4  # bump when measure() changes, so cached results are redone
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def get(name: str) -> Device:
     return CATALOG[name]
 
 
-# ---- CPU probes: numba streaming kernels (McCalpin's STREAM copy and triad) -------------
+# ---- CPU probes: numba streaming kernels (McCalpin's STREAM copy and triad, and a read) ---
 
 @numba.njit(inline="always")
 def _copy_range(dst, src):  # (m,), (m,)
@@ -88,8 +88,16 @@ def _triad_range(a, b, c, scalar):  # a = b + scalar * c, all (m,)
         a[i] = b[i] + scalar * c[i]
 
 
+@numba.njit(inline="always")
+def _read_range(src):  # (m,) int32: an integer sum vectorizes, a float one would not
+    total = 0
+    for i in range(src.shape[0]):
+        total += src[i]
+    return total
+
+
 @numba.njit(parallel=True, cache=True)
-def _copy_passes(dst, src, passes, n_chunks):  # (n,), (n,); each thread streams its own chunk
+def _copy_passes(dst, src, passes, n_chunks):  # (n,), (n,); a chunk per thread
     chunk = (src.shape[0] + n_chunks - 1) // n_chunks
     for t in numba.prange(n_chunks):
         part = slice(t * chunk, (t + 1) * chunk)
@@ -106,6 +114,20 @@ def _triad_passes(a, b, c, scalar, passes, n_chunks):  # (n,) each
             _triad_range(a[part], b[part], c[part], scalar)
 
 
+@numba.njit(parallel=True, cache=True)
+def _read_passes(src, passes, n_chunks):  # (n,) int32; returns the sum, so no read is skipped
+    chunk = (src.shape[0] + n_chunks - 1) // n_chunks
+    sums = np.zeros(n_chunks, np.int64)
+    for t in numba.prange(n_chunks):
+        part = slice(t * chunk, (t + 1) * chunk)
+        for _ in range(passes):
+            sums[t] += _read_range(src[part])
+    return sums.sum()
+
+
+STREAM_ARRAYS = {"copy": 2, "triad": 3, "read": 1}  # arrays each kernel moves
+
+
 def best_seconds(run, repeats: int) -> float:
     """The fastest of `repeats` timed calls of `run`, after one untimed warm-up call."""
     if repeats < 1:
@@ -119,25 +141,44 @@ def best_seconds(run, repeats: int) -> float:
     return best
 
 
-def stream_bandwidth(kernel: str, bytes_per_array: int, repeats: int = 3,
-                     bytes_per_timing: float = 256e6) -> float:
-    """Bytes/s of the numba `kernel` ("copy" or "triad") over float32 arrays of
-    `bytes_per_array` each. STREAM counts 2 arrays moved per copy and 3 per triad. Small arrays
-    are swept many times inside one call, so the timing covers about `bytes_per_timing`."""
-    if kernel not in ("copy", "triad"):
-        raise ValueError(f"kernel must be 'copy' or 'triad'; got {kernel!r}")
-    if bytes_per_array < 4 * 64 or repeats < 1:
-        raise ValueError(f"need bytes_per_array >= 256 and repeats >= 1; got {bytes_per_array}, {repeats}")
+def stream_kernel(kernel: str, bytes_per_array: int, bytes_per_timing: float = 256e6):
+    """(run, bytes): a call of the numba `kernel` over float32 arrays of `bytes_per_array` each,
+    and the bytes it moves. "copy" is a = b (one read, one write), "triad" a = b + s c (two
+    reads, one write), "read" a sum over b (reads only). STREAM counts every array once, so
+    copy and triad count reads and writes alike, and a kernel that only reads can pass the copy
+    roof. Small arrays are swept many times in one call, so a call moves about
+    `bytes_per_timing`."""
+    if kernel not in STREAM_ARRAYS:
+        raise ValueError(f"kernel must be one of {', '.join(map(repr, STREAM_ARRAYS))}; "
+                         f"got {kernel!r}")
+    if bytes_per_array < 4 * 64:
+        raise ValueError(f"need bytes_per_array >= 256; got {bytes_per_array}")
     n = bytes_per_array // 4
-    arrays = 2 if kernel == "copy" else 3
+    arrays = STREAM_ARRAYS[kernel]
     passes = max(1, int(bytes_per_timing // (arrays * n * 4)))
     threads = numba.get_num_threads()
     a, b, c = np.zeros(n, np.float32), np.ones(n, np.float32), np.full(n, 2.0, np.float32)
     if kernel == "copy":
-        seconds = best_seconds(lambda: _copy_passes(a, b, passes, threads), repeats)
+        def run():
+            _copy_passes(a, b, passes, threads)
+    elif kernel == "triad":
+        def run():
+            _triad_passes(a, b, c, np.float32(3.0), passes, threads)
     else:
-        seconds = best_seconds(lambda: _triad_passes(a, b, c, np.float32(3.0), passes, threads), repeats)
-    return arrays * n * 4 * passes / seconds
+        words = b.view(np.int32)
+
+        def run():
+            return _read_passes(words, passes, threads)
+    return run, arrays * n * 4 * passes
+
+
+def stream_bandwidth(kernel: str, bytes_per_array: int, repeats: int = 3,
+                     bytes_per_timing: float = 256e6) -> float:
+    """Bytes/s of `stream_kernel(kernel, bytes_per_array)`, the best of `repeats` calls."""
+    if repeats < 1:
+        raise ValueError(f"need repeats >= 1; got {repeats}")
+    run, moved = stream_kernel(kernel, bytes_per_array, bytes_per_timing)
+    return moved / best_seconds(run, repeats)
 
 
 def numpy_copy_bandwidth(bytes_per_array: int = 256 * 2**20, repeats: int = 3,
@@ -173,6 +214,16 @@ def blas_flops(dtype: str = "fp32", n: int = 2048, repeats: int = 3) -> float:
     return 2 * n**3 / best_seconds(lambda: left @ right, repeats)
 
 
+BLAS_SIZES = (512, 1024, 2048)  # the compute roof is the fastest of these cubes
+
+
+def blas_peak(dtype: str = "fp32", sizes: tuple[int, ...] | None = None) -> float:
+    """The compute roof: the fastest FLOP/s of numpy's BLAS over n x n x n matmuls, n in
+    `sizes` (default BLAS_SIZES). On some machines a mid-sized cube runs faster than a
+    large one, which no longer fits the caches the library tiles for."""
+    return max(blas_flops(dtype, n=n) for n in (sizes or BLAS_SIZES))
+
+
 SWEEP_BYTES = [2**k for k in range(13, 29, 2)]  # 8 KiB .. 128 MiB per array: L1 to DRAM
 DRAM_BYTES = 256 * 2**20
 
@@ -182,10 +233,10 @@ def _measure_cpu(progress) -> Device:
     probes: dict[str, list[list[float]]] = {
         "numpy_copy": [[DRAM_BYTES, numpy_copy_bandwidth(DRAM_BYTES)]],
         "numpy_copy_one_thread": [[DRAM_BYTES, numpy_copy_bandwidth(DRAM_BYTES, threads=1)]],
-        "copy": [], "triad": []}
+        "copy": [], "triad": [], "read": []}
     progress("numpy copy")
     for size in SWEEP_BYTES + [DRAM_BYTES]:
-        for kernel in ("copy", "triad"):
+        for kernel in ("copy", "triad", "read"):
             probes[kernel].append([size, stream_bandwidth(kernel, size)])
             progress(f"{kernel} {size // 1024} KiB")
     threads = numba.get_num_threads()
@@ -197,12 +248,14 @@ def _measure_cpu(progress) -> Device:
     progress("one thread each")
     flops = {}
     for dtype in ("fp32", "fp64"):
-        flops[dtype] = blas_flops(dtype)
+        flops[dtype] = blas_peak(dtype)
         progress(f"BLAS {dtype}")
     return Device(name=f"{_cpu_name()} ({numba.get_num_threads()} threads)", peak_flops=flops,
                   memory_bandwidth=probes["copy"][-1][1], memory_bytes=float(_memory_bytes()),
                   source="measured here: numba STREAM copy at 256 MiB per array (the memory "
-                         "roof), numpy BLAS matmul (the compute roofs)", probes=probes)
+                         "roof, reads and writes counted), the fastest numpy BLAS matmul of "
+                         "512, 1024 and 2048 cubes (the compute roofs)",
+                  probes=probes)
 
 
 # ---- GPU probes: torch device-to-device copy and matmul per dtype ------------------------
@@ -331,10 +384,11 @@ def measure(target: str | None = None, refresh: bool = False, progress: bool = T
     path = cache_dir() / f"hardware-{_fingerprint(target)}.json"
     if path.is_file() and not refresh:
         return Device(**json.loads(path.read_text()))
-    from tqdm.auto import tqdm
+    from infra_lab import progress as progress_bars
 
-    steps = 2 * (len(SWEEP_BYTES) + 1) + 4 if target == "cpu" else 13
-    with tqdm(total=steps, desc=f"measuring this {target}", disable=not progress, leave=False) as bar:
+    steps = 3 * (len(SWEEP_BYTES) + 1) + 4 if target == "cpu" else 13
+    with progress_bars.bar(total=steps, desc=f"measuring this {target}", show=progress,
+                           leave=False) as bar:
         def step(label: str) -> None:
             bar.set_postfix_str(label)
             bar.update()

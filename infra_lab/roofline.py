@@ -203,13 +203,15 @@ def kv_bytes_per_token(config: ModelConfig, dtype: str) -> float:
     return 2 * config.n_layers * config.n_kv_heads * config.head_dim * bytes_per_element(dtype)
 
 
-def step_cost(config: ModelConfig, batch: int, new_tokens: int, context: int, dtype: str) -> Cost:
-    """One forward step: `batch` sequences each add `new_tokens` after `context` cached ones.
+def step_cost(config: ModelConfig, batch: int, new_tokens: int, context: int,
+              dtype: str) -> Cost:
+    """One forward step: `batch` sequences each add `new_tokens` after `context`
+    cached ones.
 
-    Prefill of a P-token prompt is (batch=1, new_tokens=P, context=0); a decode step is
-    (batch=B, new_tokens=1, context=C). Bytes count the weights read once (for a mixture of
-    experts, only the experts some token routes to), the KV cache read and the new KV
-    written; activations are left out, which flatters only tiny steps.
+    Prefill of a P-token prompt is (batch=1, new_tokens=P, context=0); a decode step
+    is (batch=B, new_tokens=1, context=C). Bytes count the weights read once (for a
+    mixture of experts, only the experts some token routes to), the KV cache read and
+    the new KV written; activations are left out, which flatters only tiny steps.
     """
     for label, value, least in (("batch", batch, 1), ("new_tokens", new_tokens, 1),
                                 ("context", context, 0)):
@@ -218,18 +220,19 @@ def step_cost(config: ModelConfig, batch: int, new_tokens: int, context: int, dt
     element = bytes_per_element(dtype)
     tokens = batch * new_tokens
     attended = new_tokens * context + new_tokens * (new_tokens + 1) / 2  # per sequence
-    attention_flops = 4 * config.n_layers * config.d_model * attended * batch  # QK^T and PV
+    attention_flops = 4 * config.n_layers * config.d_model * attended * batch  # QK^T, PV
     flops = 2 * tokens * config.active_params + attention_flops
-    weights = config.n_layers * (config.attention_params + config.router_params
-                                 + config.experts_touched(tokens) * config.expert_params) \
-        + config.vocab * config.d_model
+    experts = config.experts_touched(tokens) * config.expert_params
+    weights = (config.n_layers * (config.attention_params + config.router_params + experts)
+               + config.vocab * config.d_model)
     kv_traffic = batch * (context + new_tokens) * kv_bytes_per_token(config, dtype)
     return Cost(flops=flops, bytes=weights * element + kv_traffic)
 
 
-def critical_batch(config: ModelConfig, device: Device, dtype: str, context: int = 0) -> float:
-    """Smallest decode batch whose step is compute-bound on `device`; math.inf if none is
-    (when the KV cache read per sequence outweighs the weights each sequence shares)."""
+def critical_batch(config: ModelConfig, device: Device, dtype: str,
+                   context: int = 0) -> float:
+    """Smallest decode batch whose step is compute-bound on `device`; math.inf if none
+    is (when the KV cache read per sequence outweighs the weights it shares)."""
     ridge = ridge_point(device, dtype)
 
     def compute_bound(batch: int) -> bool:
@@ -254,29 +257,135 @@ class Point:
     label: str
     intensity: float  # FLOP/byte
     flops_per_s: float  # achieved, or the bound
+    series: str = ""  # points of one series share a colour and a legend entry, joined by a line
+
+
+def _label_offsets() -> list[tuple[float, float, str, str]]:
+    """(dx, dy, ha, va) in points, nearest first: right, left, above, below, then diagonals."""
+    offsets = []
+    for r in (4, 14, 26, 40):
+        offsets += [(r, -3, "left", "center"), (-r, -3, "right", "center"),
+                    (0, r, "center", "bottom"), (0, -r, "center", "top"),
+                    (r, r, "left", "bottom"), (r, -r, "left", "top"),
+                    (-r, r, "right", "bottom"), (-r, -r, "right", "top")]
+    return offsets
+
+
+LABEL_OFFSETS = _label_offsets()
+
+
+def _along(vertices, step_px: float):
+    """Points every `step_px` pixels along a polyline given by its vertices in pixels."""
+    import numpy as np
+
+    points = [vertices[:1]]
+    for start, end in zip(vertices[:-1], vertices[1:]):
+        length = float(np.hypot(*(end - start)))
+        if np.isfinite(length) and length > 0:
+            steps = np.linspace(0, 1, max(2, int(length / step_px) + 1))[1:, None]
+            points.append(start + steps * (end - start))
+    return np.concatenate(points)
+
+
+def place_labels(ax, anchors: list[tuple[float, float]], labels: list[str],
+                 colors: list | None = None, fontsize: float = 9) -> list:
+    """Label each anchor (data coordinates) with the nearest offset that overlaps the least:
+    no other label, inside the axes, off the plotted lines and markers where it can. A label
+    set away from its anchor gets a leader line. Set the limits and the layout first; returns
+    the texts in the order of `labels`."""
+    from matplotlib.text import Text
+
+    if len(anchors) != len(labels):
+        raise ValueError(f"{len(anchors)} anchors for {len(labels)} labels")
+    colors = colors or ["black"] * len(labels)
+    renderer = ax.figure.canvas.get_renderer()
+    inside = ax.get_window_extent(renderer).padded(-2)
+    # what a label should not cover, in pixels, and the cost of covering each point of it:
+    # markers weigh more than lines
+    import numpy as np
+
+    points, weights = [np.empty((0, 2))], [np.empty(0)]
+    for line in ax.get_lines():
+        vertices = line.get_transform().transform(line.get_xydata())
+        marker_only = line.get_linestyle() in ("None", "", " ")
+        chosen = vertices if marker_only else _along(vertices, step_px=3)
+        points.append(chosen)
+        weights.append(np.full(len(chosen), 50.0 if marker_only else 1.0))
+    points, weights = np.concatenate(points), np.concatenate(weights)
+    legend = ax.get_legend()
+    taken = [legend.get_window_extent(renderer)] if legend is not None else []
+    texts = [None] * len(labels)
+    order = sorted(range(len(labels)), key=lambda i: (anchors[i][0], anchors[i][1]))
+    for i in order:
+        best = None
+        for rank, (dx, dy, ha, va) in enumerate(LABEL_OFFSETS):
+            far = abs(dx) > 4 or abs(dy) > 4
+            text = ax.annotate(labels[i], anchors[i], xytext=(dx, dy), color=colors[i],
+                               textcoords="offset points", ha=ha, va=va, fontsize=fontsize,
+                               arrowprops={"arrowstyle": "-", "color": colors[i], "lw": 0.6,
+                                           "shrinkA": 0, "shrinkB": 3} if far else None)
+            text.update_positions(renderer)
+            box = Text.get_window_extent(text, renderer)  # the text alone, not its leader
+            covered = ((points[:, 0] >= box.x0) & (points[:, 0] <= box.x1)
+                       & (points[:, 1] >= box.y0) & (points[:, 1] <= box.y1))
+            crossings = float(weights[covered].sum())
+            penalty = (1000 * sum(box.overlaps(other) for other in taken)
+                       + 5000 * (not (inside.contains(box.x0, box.y0)
+                                      and inside.contains(box.x1, box.y1)))
+                       + crossings + rank)  # nearer is better, all else equal
+            if best is None or penalty < best[0]:
+                if best is not None:
+                    best[1].remove()
+                best = (penalty, text, box)
+            else:
+                text.remove()
+            if penalty == rank:  # nothing covered: no later, farther offset can do better
+                break
+        texts[i] = best[1]
+        taken.append(best[2])
+    return texts
+
+
+ROOF_COLORS = ("#1f77b4", "#ff7f0e", "#17becf", "#7f7f7f")
+POINT_COLORS = ("#d62728", "#2ca02c", "#9467bd", "#8c564b", "#e6550d", "#0b7a75", "#393b79",
+                "#7b4173", "#637939", "#843c39")
 
 
 def plot(roofs: list[tuple[Device, str]], points: list[Point] = (), ax=None,
          intensity_range: tuple[float, float] = (0.05, 2e4), title: str | None = None):
-    """Log-log roofline: one roof per (device, dtype), and labelled points. Returns the axes."""
+    """Log-log roofline: one roof per (device, dtype), and labelled points placed so that no
+    two labels overlap where there is room. Points that share a `series` share a colour and a
+    legend entry, and are joined by a line. Returns the axes."""
     import matplotlib.pyplot as plt
     import numpy as np
 
     if ax is None:
-        _, ax = plt.subplots(figsize=(7, 4.2))
-    intensity = np.logspace(np.log10(intensity_range[0]), np.log10(intensity_range[1]), 300)
-    for device, dtype in roofs:
-        roof = np.minimum(device.flops(dtype), intensity * device.memory_bandwidth)
-        line, = ax.loglog(intensity, roof, label=f"{device.name}, {dtype}")
+        _, ax = plt.subplots(figsize=(6.5, 4))
+    low, high = intensity_range
+    top = 0.0
+    for (device, dtype), color in zip(roofs, ROOF_COLORS * len(roofs)):
         ridge = ridge_point(device, dtype)
-        ax.axvline(ridge, color=line.get_color(), ls=":", lw=0.8)
-    for point in points:
-        ax.loglog([point.intensity], [point.flops_per_s], "o", ms=6)
-        ax.annotate(point.label, (point.intensity, point.flops_per_s), fontsize=8,
-                    xytext=(4, -10), textcoords="offset points")
+        intensity = np.array([low] + ([ridge] if low < ridge < high else []) + [high])
+        roof = np.minimum(device.flops(dtype), intensity * device.memory_bandwidth)
+        ax.loglog(intensity, roof, color=color, label=f"{device.name}, {dtype}")
+        ax.axvline(ridge_point(device, dtype), color=color, ls=":", lw=0.8)
+        top = max(top, device.flops(dtype))
+    groups = list(dict.fromkeys(point.series or f"point {i}" for i, point in enumerate(points)))
+    color_of = {group: POINT_COLORS[i % len(POINT_COLORS)] for i, group in enumerate(groups)}
+    colors = [color_of[point.series or f"point {i}"] for i, point in enumerate(points)]
+    for group in groups:
+        members = [p for i, p in enumerate(points) if (p.series or f"point {i}") == group]
+        ax.loglog([p.intensity for p in members], [p.flops_per_s for p in members], "o-",
+                  ms=5, lw=0.8, color=color_of[group], label=members[0].series or None)
+        top = max([top] + [p.flops_per_s for p in members])
+    ax.set_xlim(*intensity_range)
+    if top > 0:
+        ax.set_ylim(top=top * 4)  # room above the highest roof for the legend and labels
     ax.set_xlabel("arithmetic intensity (FLOP/byte)")
     ax.set_ylabel("FLOP/s")
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(loc="upper left")
     if title:
-        ax.set_title(title, fontsize=10)
+        ax.set_title(title)
+    place_labels(ax, [(p.intensity, p.flops_per_s) for p in points], [p.label for p in points],
+                 colors)
     return ax

@@ -2,9 +2,9 @@
 import math
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
-from infra_lab import hardware, roofline
+from infra_lab import hardware, roofline, roofline_kernels
 
 H100 = hardware.get("H100 SXM")
 sizes = st.integers(1, 4096)
@@ -163,3 +163,133 @@ def test_plot_draws_a_roof_per_dtype_and_every_point():
     assert len(ax.get_legend().get_texts()) == 2
     assert {t.get_text() for t in ax.texts} == {"decode", "prefill"}
     assert ax.get_xscale() == ax.get_yscale() == "log"
+
+
+def test_plot_joins_a_series_under_one_legend_entry():
+    import matplotlib
+    matplotlib.use("Agg")
+    points = [roofline.Point(str(n), n / 6, 1e10 * n**0.3, series="matmul") for n in (64, 128, 256)]
+    ax = roofline.plot([(H100, "fp32")], points + [roofline.Point("GEMV", 0.5, 4e9)])
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["H100 SXM, fp32", "matmul"]
+    assert {t.get_text() for t in ax.texts} == {"64", "128", "256", "GEMV"}
+    colors = {t.get_text(): t.get_color() for t in ax.texts}
+    assert colors["64"] == colors["256"] != colors["GEMV"]
+
+
+# the chapter's measured matmuls crowd each other: their labels must not overlap or leave the axes
+@settings(max_examples=10, deadline=None)
+@given(rates=st.lists(st.floats(1e9, 6e10), min_size=3, max_size=6),
+       cpu_like=st.booleans())
+def test_point_labels_neither_overlap_nor_leave_the_axes(rates, cpu_like):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    device = hardware.Device("cpu", {"fp32": 6e10}, 1e10, 0, "t") if cpu_like else H100
+    points = [roofline.Point(f"matmul {64 * 2**i}", 64 * 2**i / 6, rate)
+              for i, rate in enumerate(rates)]
+    points.append(roofline.Point("attention decode 16K", 0.5, 4e9))
+    ax = roofline.plot([(device, "fp32")], points, intensity_range=(0.05, 1e4))
+    renderer = ax.figure.canvas.get_renderer()
+    boxes = []
+    for text in ax.texts:
+        text.update_positions(renderer)
+        boxes.append(matplotlib.text.Text.get_window_extent(text, renderer))
+    frame = ax.get_window_extent(renderer)
+    for i, box in enumerate(boxes):
+        assert frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 <= box.y1 <= frame.y1
+        assert not any(box.overlaps(other) for other in boxes[i + 1:]), [t.get_text() for t in ax.texts]
+    plt.close(ax.figure)
+
+
+def test_place_labels_needs_one_anchor_per_label():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    _, ax = plt.subplots()
+    with pytest.raises(ValueError, match="2 anchors for 1 labels"):
+        roofline.place_labels(ax, [(1, 1), (2, 2)], ["one"])
+    plt.close(ax.figure)
+
+
+# ---- kernels held against roofs measured with them ----------------------------------------
+
+def test_a_kernel_is_held_against_the_lower_of_its_measured_roofs():
+    roofs = roofline_kernels.Roofs({"copy": 10e9, "read": 20e9}, {"fp32": 100e9})
+    gemv = roofline_kernels.KernelRun("GEMV", roofline.gemv(1000, 1000, "fp32"), 1e-3,
+                                      memory_roof="read", roofs=roofs)
+    assert gemv.roof() == (pytest.approx(gemv.cost.intensity * 20e9), "read")
+    assert gemv.fraction_of_roof() == pytest.approx(gemv.bytes_per_s / 20e9)
+    matmul = roofline_kernels.KernelRun("matmul", roofline.gemm(512, 512, 512, "fp32"), 1e-2,
+                                        roofs=roofs)
+    assert matmul.roof() == (100e9, "fp32 compute")
+    assert matmul.fraction_of_roof() == pytest.approx(matmul.flops_per_s / 100e9)
+    # given a device, the old reading: its copy bandwidth and its peak
+    assert gemv.fraction_of_roof(H100) == pytest.approx(gemv.bytes_per_s / H100.memory_bandwidth)
+
+
+def test_a_run_without_its_roof_says_so():
+    run = roofline_kernels.KernelRun("GEMV", roofline.gemv(8, 8, "fp32"), 1.0, memory_roof="read")
+    with pytest.raises(ValueError, match="GEMV: no read or fp32 roof was measured"):
+        run.roof()
+    with pytest.raises(ValueError, match="no 'read' roof with a 'bf16' peak"):
+        roofline_kernels.Roofs({"copy": 1e9}, {"fp32": 1e9}).device("read", "bf16")
+
+
+def test_median_roofs_takes_each_roof_from_the_runs_that_measured_it():
+    runs = [roofline_kernels.Roofs({"read": r}) for r in (1, 5, 3)]
+    runs.append(roofline_kernels.Roofs({"copy": 2}, {"fp32": 7}))
+    median = roofline_kernels.median_roofs(runs)
+    assert median.bandwidth == {"copy": 2, "read": 3} and median.compute == {"fp32": 7}
+
+
+def test_turns_alternate_and_keep_the_fastest():
+    calls = []
+    first = lambda: calls.append("a")  # noqa: E731
+    second = lambda: calls.append("b")  # noqa: E731
+    third = lambda: calls.append("c")  # noqa: E731
+    seconds = roofline_kernels.best_in_turns([first, second, third], 3)
+    assert "".join(calls) == "abc" * 4 and len(seconds) == 3 and min(seconds) >= 0
+    with pytest.raises(ValueError, match="repeats must be >= 1; got 0"):
+        roofline_kernels.best_in_turns([first], 0)
+
+
+def test_memory_kernels_carry_the_roof_measured_beside_them():
+    gemv = roofline_kernels.time_gemv(256, repeats=1)
+    assert gemv.memory_roof == "read" and set(gemv.roofs.bandwidth) == {"read"}
+    triad = roofline_kernels.time_triad(2**18, repeats=1)
+    assert triad.memory_roof == "copy" and set(triad.roofs.bandwidth) == {"copy"}
+    assert 0 < gemv.fraction_of_roof() and 0 < triad.fraction_of_roof()
+
+
+def test_the_torch_kernels_run_with_their_roofs_on_any_device():
+    pytest.importorskip("torch")
+    plan = {"matmul": [16, 32], "gemv": 64, "triad_bytes": 2**16, "attention_context": 2048,
+            "roof_bytes": 2**20, "roof_matmuls": (64,)}
+    runs = roofline_kernels.run_all_torch(plan, "cpu", repeats=1)
+    assert [r.label for r in runs] == ["matmul 16", "matmul 32", "GEMV 64x64", "triad 0 MiB",
+                                       "attention decode 2K"]
+    assert [r.memory_roof for r in runs] == ["copy", "copy", "read", "copy", "read"]
+    for run in runs:
+        assert set(run.roofs.bandwidth) == {"copy", "read"}
+        assert set(run.roofs.compute) == {"bf16", "fp32"}
+        assert run.fraction_of_roof() > 0
+
+
+def test_run_all_holds_every_kernel_against_a_roof_of_its_run(monkeypatch):
+    small = {"matmul": [16, 32], "gemv": 256, "triad_bytes": 2**18,
+             "attention_context": 256, "roof_matmuls": (64,)}
+    monkeypatch.setitem(roofline_kernels.SIZES, "small", small)
+    runs = roofline_kernels.run_all("small", progress=False)
+    assert [run.roof()[1] for run in runs] == ["fp32 compute"] * 2 + ["read", "copy", "read"]
+    assert "64 cubes, just after the matmuls" in runs[0].roofs.how
+    assert all(run.fraction_of_roof() > 0 for run in runs)
+
+
+def test_matmuls_form_one_series_on_the_plot():
+    run = roofline_kernels.KernelRun("matmul 256", roofline.gemm(256, 256, 256, "fp32"), 1e-3)
+    assert run.point() == roofline.Point("256", run.cost.intensity, run.flops_per_s,
+                                         series="matmul n x n x n")
+    gemv = roofline_kernels.KernelRun("GEMV 8x8", roofline.gemv(8, 8, "fp32"), 1e-3)
+    assert gemv.point().label == "GEMV 8x8" and gemv.point().series == ""
