@@ -62,3 +62,31 @@ def test_online_softmax_merge_equals_one_softmax(seed, split, scale):
     np.testing.assert_allclose(merged, whole, rtol=1e-10)
     weights = np.exp(scores - scores.max(1, keepdims=True))
     np.testing.assert_allclose(whole, weights @ values / weights.sum(1, keepdims=True), rtol=1e-10)
+
+
+@given(length=st.integers(1, 600), d=st.integers(1, 128), block_q=st.integers(1, 700))
+def test_work_per_head_counts_what_each_kernel_moves(length, d, block_q):
+    work = kernel.work_per_head(length, d, block_q)
+    assert work["standard"] == (4 * length**2 * d, 4 * length * d + 4 * length**2)
+    flops, elements = work["tiled"]
+    blocks = -(-length // block_q)
+    keys_read = sum(min(length, (b + 1) * block_q) for b in range(blocks))  # causal: up to the block
+    assert elements == 2 * length * d + 2 * d * keys_read
+    assert flops <= work["standard"][0]
+    if block_q >= length:  # one block: Q, K, V read once, O written once
+        assert elements == 4 * length * d
+    non_causal = kernel.work_per_head(length, d, block_q, causal=False)["tiled"]
+    assert non_causal == (4 * length**2 * d, 2 * length * d * (1 + blocks))
+
+
+@given(length=st.integers(1, 600), d=st.integers(1, 128))
+def test_tiled_flops_with_one_row_blocks_are_the_causal_pairs(length, d):
+    from infra_lab import roofline
+
+    flops, _ = kernel.work_per_head(length, d, block_q=1)["tiled"]
+    assert flops == roofline.attention_prefill(length, 1, d, "fp32").flops
+
+
+def test_work_per_head_names_bad_sizes():
+    with pytest.raises(ValueError, match="got 0, 64, 256"):
+        kernel.work_per_head(0, 64)

@@ -21,6 +21,7 @@ from infra_lab import backend as backends
 
 LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
+BLOCK_Q = BLOCK_K = 256  # query rows and key rows per tile of the numba kernel
 
 
 def _check(q_shape, k_shape, v_shape) -> None:
@@ -35,7 +36,7 @@ def _check(q_shape, k_shape, v_shape) -> None:
 
 
 def attention_numpy(q, k, v, causal: bool = True, dtype=np.float64):
-    """Reference: materializes the (L, L) scores per head, in `dtype` (float64 by default)."""
+    """Reference: materializes the (L, L) scores per head, in `dtype` (float64 default)."""
     _check(q.shape, k.shape, v.shape)
     heads, length, d = q.shape
     group = heads // k.shape[0]
@@ -52,15 +53,16 @@ def attention_numpy(q, k, v, causal: bool = True, dtype=np.float64):
 
 
 @numba.njit(fastmath=True, cache=True)
-def _exp_nonpositive(x, out, bits):  # x, out (n,) float32 with x <= 0; bits (n,) int32 scratch
-    """exp(x) in a loop LLVM can vectorize: exp(x) = 2^n e^u with n = round(x log2 e) and
-    u = x - n ln 2 in [-0.35, 0.35], e^u by its degree-6 Taylor polynomial (relative error
-    below 2e-7) and 2^n written straight into a float's exponent bits."""
+def _exp_nonpositive(x, out, bits):  # x, out (n,) float32, x <= 0; bits (n,) int32
+    """exp(x) in a loop LLVM can vectorize: exp(x) = 2^n e^u with n = round(x log2 e)
+    and u = x - n ln 2 in [-0.35, 0.35], e^u by its degree-6 Taylor polynomial (relative
+    error below 2e-7) and 2^n written straight into a float's exponent bits."""
     for i in range(x.shape[0]):
         t = max(x[i] * LOG2_E, -126.0)
         n = np.floor(t + 0.5)
         u = (t - n) * LN_2
-        out[i] = 1 + u * (1 + u * (0.5 + u * (1 / 6 + u * (1 / 24 + u * (1 / 120 + u * (1 / 720))))))
+        out[i] = 1 + u * (1 + u * (0.5 + u * (1 / 6 + u * (1 / 24 + u * (1 / 120
+                                                                    + u / 720)))))
         bits[i] = (np.int32(n) + 127) << 23
     scale = bits.view(np.float32)
     for i in range(x.shape[0]):
@@ -88,7 +90,7 @@ def _flash_forward(q, k, v, scale, causal, block_q, block_k, out):
             scores = np.dot(q_tile, k[h // group, k0:k1].T)  # (rows, cols), BLAS
             for r in range(rows):
                 row = scores[r]
-                visible = min(cols, q0 + r - k0 + 1) if causal else cols  # keys <= query
+                visible = min(cols, q0 + r - k0 + 1) if causal else cols  # keys <= q
                 if visible <= 0:
                     row[:] = -1e4  # exp gives ~1e-38, zeroed below
                     continue
@@ -109,7 +111,7 @@ def _flash_forward(q, k, v, scale, causal, block_q, block_k, out):
             out[h, q0 + r] = acc[r] / total[r]
 
 
-def attention_numba(q, k, v, causal: bool = True, block_q: int = 256, block_k: int = 256):
+def attention_numba(q, k, v, causal: bool = True, block_q: int = BLOCK_Q, block_k: int = BLOCK_K):
     """FlashAttention forward on the CPU in float32: tiles through BLAS, extra memory
     O(block_q * (block_k + D)) per thread; the (L, L) scores never exist. BLAS runs on one
     thread inside each of numba's threads, so the two thread pools do not fight."""
@@ -121,6 +123,31 @@ def attention_numba(q, k, v, causal: bool = True, block_q: int = 256, block_k: i
     with threadpool_limits(1, user_api="blas"):
         _flash_forward(q, k, v, np.float32(1 / math.sqrt(q.shape[2])), causal, block_q, block_k, out)
     return out
+
+
+def work_per_head(length: int, head_dim: int, block_q: int = BLOCK_Q,
+                  causal: bool = True) -> dict[str, tuple[int, int]]:
+    """FLOPs and elements moved to and from slow memory (DRAM, HBM) by one head's
+    attention: {"standard": (flops, elements), "tiled": (flops, elements)}.
+
+    Standard attention (Algorithm 0 of Dao et al., 2022) reads Q and K, writes the (L, L)
+    scores S, reads S back, writes P = softmax(S), reads P and V, writes O: 4 L d + 4 L^2
+    elements, and computes every score, masked or not: 4 L^2 d FLOPs. The tiled kernel
+    (`_flash_forward`) reads each block of `block_q` query rows once, and for each block
+    the rows of K and V it attends to (up to the block's last query when causal), and
+    writes O; it computes only those blocks' scores. K and V rows read again for a later
+    block are counted again, as if no cache kept them.
+    """
+    if length < 1 or head_dim < 1 or block_q < 1:
+        raise ValueError(f"need length, head_dim, block_q >= 1; "
+                         f"got {length}, {head_dim}, {block_q}")
+    L, d = length, head_dim
+    firsts = range(0, L, block_q)
+    rows = [min(L, first + block_q) - first for first in firsts]  # query rows per block
+    keys = [first + n if causal else L for first, n in zip(firsts, rows)]  # K rows read
+    standard = (4 * L * L * d, 4 * L * d + 4 * L * L)
+    tiled = (4 * d * sum(n * m for n, m in zip(rows, keys)), 2 * L * d + 2 * d * sum(keys))
+    return {"standard": standard, "tiled": tiled}
 
 
 def attention_torch(q, k, v, causal: bool = True):
