@@ -12,7 +12,8 @@ Three read-only probes say what the access pattern costs, since the kernel only 
 sum over the same blocks in table order (each sequence's blocks in turn: a jump to a random
 block every 16 rows), the same with the next block prefetched in software, and in address order
 (the order the kernel reads the pool in). The copy roof counts reads and writes, which can
-overlap, so a read-only pass can exceed it.
+overlap, so a read-only pass can exceed it. Each probe, and torch, is also paired with a roof
+measured right before it, so every share printed is a back-to-back pair.
 
     python benchmarks/paged.py [--rounds 9] [--json out.json]
 """
@@ -64,18 +65,22 @@ def main() -> None:
         rounds.append((roof, hardware.best_seconds(kernel((k_pool, v_pool)), 3), hardware.best_seconds(kernel(apart), 3)))
     shares = sorted(moved / seconds / roof for roof, seconds, _ in rounds)
     ours = min(seconds for _, seconds, _ in rounds)
+    def paired(run, repeats):  # (roof bytes/s, seconds): the roof, then `run`, back to back
+        roof = hardware.stream_bandwidth("copy", hardware.DRAM_BYTES)
+        return roof, hardware.best_seconds(run, repeats)
+
     torch_kv = torch.from_numpy(kv)
     torch_args = [torch.from_numpy(q), torch_kv[:, 0], torch_kv[:, 1], torch.from_numpy(tables), torch.from_numpy(lengths)]
-    theirs = hardware.best_seconds(lambda: paged_attention.paged_decode_torch(*torch_args), 7)
+    torch_roof, theirs = paired(lambda: paged_attention.paged_decode_torch(*torch_args), 7)
     blocks = kv.reshape(len(kv), -1)  # (blocks, floats): a block's K and V, one contiguous stretch
     table_order = tables.reshape(-1, 16)  # rows of 16 blocks: read_blocks prefetches within a row
     address_order = np.sort(tables, axis=None).reshape(table_order.shape)
 
     def read(order, prefetch):
-        return hardware.best_seconds(lambda: read_blocks(blocks, order, prefetch), 7)
+        return paired(lambda: read_blocks(blocks, order, prefetch), 7)
 
-    scattered_read, prefetched_read = read(table_order, False), read(table_order, True)
-    ordered_read = read(address_order, False)
+    (scattered_roof, scattered_read), (prefetched_roof, prefetched_read) = read(table_order, False), read(table_order, True)
+    ordered_roof, ordered_read = read(address_order, False)
     reference = paged_attention.paged_decode_numpy(q, k_pool, v_pool, tables, lengths)
     got = paged_attention.paged_decode_numba(q, k_pool, v_pool, tables, lengths)
     figures = {"bytes_moved": moved, "numba_GBps": moved / ours / 1e9, "torch_GBps": moved / theirs / 1e9,
@@ -89,18 +94,25 @@ def main() -> None:
                "read_table_order_prefetched_GBps": moved / prefetched_read / 1e9,
                "read_address_order_GBps": moved / ordered_read / 1e9,
                "share_of_read_in_address_order": ordered_read / ours,
+               "torch_share_of_roof": moved / theirs / torch_roof,
+               "read_table_order_share_of_roof": moved / scattered_read / scattered_roof,
+               "read_table_order_prefetched_share_of_roof": moved / prefetched_read / prefetched_roof,
+               "read_address_order_share_of_roof": moved / ordered_read / ordered_roof,
                "max_rel_error": float(np.abs(got - reference).max() / np.abs(reference).max())}
     print(f"paged decode, {batch} x {length} tokens, {heads} heads of {head_dim}, blocks of {block_size}: "
           f"numba reaches {figures['share_of_roof']:.0%} of the memory roof (median of {args.rounds} back-to-back pairs; "
           f"{shares[0]:.0%} to {shares[-1]:.0%}; the roof read {min(figures['roofs_GBps']):.1f} to {max(figures['roofs_GBps']):.1f} GB/s); "
           f"best {figures['numba_GBps']:.1f} GB/s, {figures['share_of_measured_roof']:.0%} of hardware.measure()'s "
           f"{figures['measured_roof_GBps']:.1f} GB/s")
-    print(f"torch gather+SDPA {figures['torch_GBps']:.1f} GB/s; numba/torch speed {figures['speedup_vs_torch']:.1f}x; "
+    print(f"torch gather+SDPA {figures['torch_GBps']:.1f} GB/s ({figures['torch_share_of_roof']:.0%} of the roof just "
+          f"before it); numba/torch speed {figures['speedup_vs_torch']:.1f}x; "
           f"max rel error {figures['max_rel_error']:.1e}; K beside V in each block makes the kernel "
           f"{figures['side_by_side_speedup']:.2f}x as fast as two pools")
     print(f"read-only probes over the same bytes: in table order {figures['read_table_order_GBps']:.1f} GB/s, the same with "
           f"the next block prefetched {figures['read_table_order_prefetched_GBps']:.1f} GB/s, in address order "
-          f"{figures['read_address_order_GBps']:.1f} GB/s (the kernel reaches {figures['share_of_read_in_address_order']:.0%} of it)")
+          f"{figures['read_address_order_GBps']:.1f} GB/s (the kernel reaches {figures['share_of_read_in_address_order']:.0%} of it); "
+          f"as shares of the roof just before each: {figures['read_table_order_share_of_roof']:.0%}, "
+          f"{figures['read_table_order_prefetched_share_of_roof']:.0%}, {figures['read_address_order_share_of_roof']:.0%}")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(figures, handle, indent=1)

@@ -53,3 +53,25 @@ def test_bad_input_is_named():
         accounting.simulate([accounting.Request(20, 5)], 10, "paged", block_size=4)
     relaxed = accounting.simulate(requests, 100_000, "paged")  # no pressure: averages over every step
     assert relaxed.busy_steps == 0 and relaxed.steps > 0 and relaxed.free > 0.9
+
+
+@given(prompt=st.integers(1, 300), output=st.integers(1, 200), block_size=st.integers(1, 64))
+def test_table_entries_of_one_request_match_a_step_by_step_count(prompt, output, block_size):
+    usage = accounting.simulate([accounting.Request(prompt, output)], 4096, "paged",
+                                block_size=block_size)
+    # at the step where it has emitted g tokens, it holds ceil((prompt + g) / block_size) blocks
+    held = [-(-(prompt + g) // block_size) for g in range(1, output + 1)]
+    assert usage.steps == output and usage.busy_steps == 0
+    assert usage.table_entries == pytest.approx(np.mean(held))
+    assert accounting.simulate([accounting.Request(prompt, output)], 4096, "oracle").table_entries == 0
+
+
+@given(seed=st.integers(0, 50), block_size=st.sampled_from([1, 4, 16, 64, 256]),
+       dataset=st.sampled_from(sorted(accounting.DATASETS)))
+def test_table_entries_times_block_size_are_the_slots_held(seed, block_size, dataset):
+    requests = accounting.synthetic_requests(dataset, 40, seed=seed, max_len=1024)
+    budget = 6_000 if dataset == "sharegpt" else 1_500
+    u = accounting.simulate(requests, budget, "paged", block_size=block_size, max_len=1024)
+    held_per_request = (u.real + u.internal) * budget / u.mean_running  # tokens' slots, averaged
+    assert u.table_entries * block_size == pytest.approx(held_per_request)
+    assert u.table_entries >= 1

@@ -93,6 +93,9 @@ class Usage:
     external: float  # contiguous: free, but in holes too small for the next request
     free: float
     preemptions: int = 0
+    # paged: block-table entries per request in flight (blocks held over requests, both summed
+    # over the same steps); a contiguous range needs one (start, size) pair instead
+    table_entries: float = 0.0
 
 
 def _reservation(policy: str, request: Request, max_len: int) -> int:
@@ -105,7 +108,9 @@ def _account(totals, running, waiting, space, free_blocks, policy, block_size, b
     totals["running"] += len(running)
     totals["real"] += real / budget
     if policy == "paged":
-        held = sum(blocks for _, _, blocks in running) * block_size
+        blocks = sum(blocks for _, _, blocks in running)
+        totals["blocks"] += blocks
+        held = blocks * block_size
         totals["internal"] += (held - real) / budget
         totals["free"] += free_blocks * block_size / budget
     else:
@@ -132,7 +137,8 @@ def simulate(requests: list[Request], budget_tokens: int, policy: str, block_siz
     running: list[list] = []  # [request, generated, handle]
     space = FirstFit(budget_tokens) if policy != "paged" else None
     free_blocks = budget_tokens // block_size
-    totals = dict.fromkeys(("running", "real", "reserved_unused", "internal", "external", "free"), 0.0)
+    totals = dict.fromkeys(("running", "real", "reserved_unused", "internal", "external", "free",
+                            "blocks"), 0.0)
     every = dict(totals)
     steps, preemptions, busy_steps = 0, 0, 0
     while waiting or running:
@@ -185,4 +191,5 @@ def simulate(requests: list[Request], budget_tokens: int, policy: str, block_siz
                 item[2] += 1
     shares, count = (totals, busy_steps) if busy_steps else (every, steps)  # no pressure: all steps
     return Usage(policy, steps, busy_steps, *(shares[key] / count for key in
-                 ("running", "real", "reserved_unused", "internal", "external", "free")), preemptions)
+                 ("running", "real", "reserved_unused", "internal", "external", "free")), preemptions,
+                 shares["blocks"] / shares["running"] if policy == "paged" else 0.0)
