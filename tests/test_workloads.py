@@ -1,6 +1,7 @@
 """The hit-rate bars of the radix chapter, on the generated workloads."""
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from infra_lab.kv import workloads
 
@@ -66,3 +67,28 @@ def test_per_request_matches_sum_to_the_totals():
         assert sum(p for p, _ in served.matches) == served.prompt_tokens
         assert sum(m for _, m in served.matches) == served.cached_tokens
         assert all(0 <= m <= p for p, m in served.matches)
+
+
+def distinct_prefixes(requests):
+    """Brute force: every prefix of every prompt, once. A prefix cache must compute each of
+    them at least once, so at most prompt tokens minus this many come from any cache."""
+    return len({tuple(r[:i]) for r in requests for i in range(1, len(r) + 1)})
+
+
+prompts = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=10).map(np.array),
+                   min_size=1, max_size=24)
+
+
+@settings(max_examples=60, deadline=None)
+@given(requests=prompts, extra=st.integers(0, 60), batch=st.integers(1, 6),
+       policy=st.sampled_from(workloads.POLICIES))
+def test_no_cache_serves_more_than_every_prefix_computed_once(requests, extra, batch, policy):
+    total = sum(len(r) for r in requests)
+    bound = total - distinct_prefixes(requests)
+    capacity = max(len(r) for r in requests) + extra
+    served = workloads.serve(requests, capacity, policy, batch)
+    assert served.prompt_tokens == total and 0 <= served.cached_tokens <= bound
+    hashed = workloads.serve_block_hashing(requests, 16 * capacity, block_size=2, batch=batch)
+    assert 0 <= hashed.cached_tokens <= bound
+    # a cache that never evicts reaches the bound in any admission order
+    assert workloads.serve(requests, total, policy, batch).cached_tokens == bound

@@ -2,10 +2,10 @@
 
 Each workload is a list of prompts (token arrays) in arrival order; the generators are seeded
 and their shapes are documented with each function. Lengths are deliberately not multiples of
-16, as real prompts are not: block hashing can only share whole blocks, the radix tree any prefix. `serve` admits them in batches of
-`batch` waiting requests, in the order a scheduling policy picks, through a radix cache of
-`capacity` tokens (chapter 04) or chapter 03's paged cache with block-hash prefix sharing, and
-counts prompt tokens served from the cache.
+16, as real prompts are not: block hashing can only share whole blocks, the radix tree any
+prefix. `serve` admits them in batches of `batch` waiting requests, in the order a scheduling
+policy picks, through a radix cache of `capacity` tokens (chapter 04) or chapter 03's paged
+cache with block-hash prefix sharing, and counts prompt tokens served from the cache.
 """
 from __future__ import annotations
 
@@ -23,13 +23,14 @@ def _tokens(rng: np.random.Generator, n: int) -> np.ndarray:
     return rng.integers(0, VOCAB, size=n)
 
 
-def few_shot(n_requests: int = 400, n_templates: int = 4, examples: int = 8, example_len: int = 61,
-             question_len: int = 30, seed: int = 0) -> list[np.ndarray]:
+def few_shot(n_requests: int = 400, n_templates: int = 4, examples: int = 8,
+             example_len: int = 61, question_len: int = 30, seed: int = 0) -> list[np.ndarray]:
     """`n_templates` few-shot prompts of `examples` x `example_len` shared tokens; every request
     takes one template and adds its own `question_len`-token question."""
     rng = np.random.default_rng(seed)
     templates = [_tokens(rng, examples * example_len) for _ in range(n_templates)]
-    return [np.concatenate([templates[rng.integers(n_templates)], _tokens(rng, question_len)]) for _ in range(n_requests)]
+    return [np.concatenate([templates[rng.integers(n_templates)], _tokens(rng, question_len)])
+            for _ in range(n_requests)]
 
 
 def multi_turn(n_sessions: int = 40, turns: int = 6, system_len: int = 70, user_len: int = 25,
@@ -45,13 +46,15 @@ def multi_turn(n_sessions: int = 40, turns: int = 6, system_len: int = 70, user_
         session = int(rng.choice([s for s in range(n_sessions) if remaining[s]]))
         prompt = np.concatenate([histories[session], _tokens(rng, user_len)])
         requests.append(prompt)
-        histories[session] = np.concatenate([prompt, _tokens(rng, answer_len)])  # the answer joins the history
+        answer = _tokens(rng, answer_len)
+        histories[session] = np.concatenate([prompt, answer])  # the answer joins the history
         remaining[session] -= 1
     return requests
 
 
-def tree_of_thought(n_trees: int = 20, branching: int = 3, depth: int = 3, question_len: int = 120,
-                    thought_len: int = 30, seed: int = 0) -> list[np.ndarray]:
+def tree_of_thought(n_trees: int = 20, branching: int = 3, depth: int = 3,
+                    question_len: int = 120, thought_len: int = 30,
+                    seed: int = 0) -> list[np.ndarray]:
     """Each tree: a question, then `branching` thoughts per node to `depth`; every node's path
     is a request, breadth first within a tree."""
     rng = np.random.default_rng(seed)
@@ -60,7 +63,8 @@ def tree_of_thought(n_trees: int = 20, branching: int = 3, depth: int = 3, quest
         level = [_tokens(rng, question_len)]
         requests.extend(level)
         for _ in range(depth):
-            level = [np.concatenate([path, _tokens(rng, thought_len)]) for path in level for _ in range(branching)]
+            level = [np.concatenate([path, _tokens(rng, thought_len)])
+                     for path in level for _ in range(branching)]
             requests.extend(level)
     return requests
 
@@ -71,7 +75,8 @@ def control(n_requests: int = 400, length: int = 300, seed: int = 0) -> list[np.
     return [_tokens(rng, length) for _ in range(n_requests)]
 
 
-WORKLOADS = {"few-shot": few_shot, "multi-turn": multi_turn, "tree-of-thought": tree_of_thought, "control": control}
+WORKLOADS = {"few-shot": few_shot, "multi-turn": multi_turn, "tree-of-thought": tree_of_thought,
+             "control": control}
 
 
 def mix(weights: dict[str, float], n_requests: int = 600, seed: int = 0) -> list[np.ndarray]:
@@ -79,11 +84,13 @@ def mix(weights: dict[str, float], n_requests: int = 600, seed: int = 0) -> list
     probability weights[w] (normalized), and each workload's requests keep their own order."""
     unknown = sorted(set(weights) - set(WORKLOADS))
     if unknown or not weights or min(weights.values()) < 0 or sum(weights.values()) <= 0:
-        raise ValueError(f"weights must be non-negative, not all zero, over {', '.join(WORKLOADS)}; got {weights}")
+        raise ValueError(f"weights must be non-negative, not all zero, over "
+                         f"{', '.join(WORKLOADS)}; got {weights}")
     rng = np.random.default_rng(seed)
     names = list(weights)
     p = np.array([weights[name] for name in names], float)
-    streams = {name: iter(WORKLOADS[name](seed=seed + 1 + i)) for i, name in enumerate(names) if weights[name] > 0}
+    streams = {name: iter(WORKLOADS[name](seed=seed + 1 + i))
+               for i, name in enumerate(names) if weights[name] > 0}
     requests = []
     while len(requests) < n_requests and streams:
         live = [name for name in names if name in streams]
@@ -121,7 +128,7 @@ class Served(PrefixHits):
     cached_tokens: int  # served from the cache
     hit_rates: list[float]  # per batch, in order
     evictions: list[int]  # tokens evicted per batch, in order
-    matches: list[tuple[int, int]]  # (prompt tokens, tokens served from the cache) per request, as admitted
+    matches: list[tuple[int, int]]  # (prompt, cached) tokens per request, as admitted
 
 
 def _order(policy: str, waiting: list[np.ndarray], cache: radix.RadixCache) -> list[int]:
@@ -134,11 +141,13 @@ def _order(policy: str, waiting: list[np.ndarray], cache: radix.RadixCache) -> l
     raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
 
 
-def serve(requests: list[np.ndarray], capacity: int, policy: str = "fcfs", batch: int = 16) -> Served:
+def serve(requests: list[np.ndarray], capacity: int, policy: str = "fcfs",
+          batch: int = 16) -> Served:
     """Radix cache of `capacity` tokens: each batch is admitted in the policy's order; every
     request matches its prefix, then its prompt is cached, evicting LRU leaves to stay in budget."""
     if capacity < max(len(r) for r in requests):
-        raise ValueError(f"capacity {capacity} is smaller than the longest prompt, {max(len(r) for r in requests)}")
+        longest = max(len(r) for r in requests)
+        raise ValueError(f"capacity {capacity} is smaller than the longest prompt, {longest}")
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     if batch < 1:
@@ -165,7 +174,8 @@ def serve(requests: list[np.ndarray], capacity: int, policy: str = "fcfs", batch
     return Served(total, cached, rates, evictions, matches)
 
 
-def serve_block_hashing(requests: list[np.ndarray], capacity: int, block_size: int = 16, batch: int = 16) -> Served:
+def serve_block_hashing(requests: list[np.ndarray], capacity: int, block_size: int = 16,
+                        batch: int = 16) -> Served:
     """Chapter 03's prefix sharing: only whole blocks whose chained hash matches are reused;
     freed blocks stay cached until the pool needs them (least recently freed first), in arrival
     order. Rates and evictions are summed per `batch` requests, as `serve` reports them."""
