@@ -90,7 +90,8 @@ def exercise_statements(stem: str, url: str | None = None,
                 parts.append("#" + paragraph)  # one level below the page's Exercises heading
             elif paragraph.startswith(HINT_MARK):
                 hint = paragraph[len(HINT_MARK):].strip()
-                parts.append(f"<details><summary>Hint</summary>\n\n{hint}\n\n</details>")
+                parts.append(f'<details style="margin-bottom:1em"><summary>Hint</summary>'
+                             f"\n\n{hint}\n\n</details>")
             else:
                 parts.append(paragraph)
     return "\n\n".join([*parts, where])

@@ -30,6 +30,5 @@ def load(name: str, folder: Path = RESULTS) -> dict | None:
 
 
 def label(results: dict) -> str:
-    """'measured on an NVIDIA H200 … on 2026-11-29 by python benchmarks/…' for a caption."""
-    return (f"measured on {results['machine']} on {results['measured_on']} "
-            f"by `{results['command']}`")
+    """'NVIDIA H200, measured 2026-11-29 by `python benchmarks/…`', for a caption."""
+    return f"{results['machine']}, measured {results['measured_on']} by `{results['command']}`"

@@ -76,9 +76,16 @@ class Folded:
 
 
 def _listing_html(title: str, code: str) -> str:
-    formatter = HtmlFormatter(noclasses=True, nowrap=False, style="default",
+    """Highlighted code whose long lines wrap under their own indent plus four columns, so a
+    wrapped line still reads as Python (a hanging indent per line; no horizontal scroll)."""
+    formatter = HtmlFormatter(noclasses=True, nowrap=False, style="default", linespans="L",
                               prestyles="white-space:pre-wrap;overflow-wrap:anywhere")
     body = highlight(code, PythonLexer(), formatter)
+    for number, line in enumerate(code.splitlines(), start=1):
+        hang = len(line) - len(line.lstrip(" ")) + 4  # columns
+        body = body.replace(f'<span id="L-{number}">',
+                            f'<span style="display:block;padding-left:{hang}ch;'
+                            f'text-indent:-{hang}ch">', 1)
     return (
         '<div class="infra-lab-source" style="border:1px solid #ddd;border-radius:4px;'
         'margin:0.5em 0">'

@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 
@@ -81,5 +82,10 @@ def test_a_pick_that_matches_nothing_is_named():
         show(stack.idle_fraction, lines=("def idle_fraction", "no such end"))
 
 
-def test_listings_wrap_instead_of_running_past_the_page():
-    assert "white-space:pre-wrap" in show(stack.idle_fraction)._repr_html_()
+def test_listings_wrap_under_a_hanging_indent_instead_of_running_past_the_page():
+    shown = show(stack.idle_fraction)
+    html = shown._repr_html_()
+    assert "white-space:pre-wrap" in html and 'id="L-' not in html
+    hangs = [int(h) for h in re.findall(r"padding-left:(\d+)ch;text-indent:-\1ch", html)]
+    lines = shown.code.splitlines()
+    assert hangs == [len(line) - len(line.lstrip(" ")) + 4 for line in lines]
