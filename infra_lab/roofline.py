@@ -301,7 +301,8 @@ def place_labels(ax, anchors: list[tuple[float, float]], labels: list[str],
     renderer = ax.figure.canvas.get_renderer()
     inside = ax.get_window_extent(renderer).padded(-2)
     # what a label should not cover, in pixels, and the cost of covering each point of it:
-    # markers weigh more than lines
+    # markers weigh more than lines, and one point of a line more than every nearer offset,
+    # so a label steps away from a roof rather than run into it
     import numpy as np
 
     points, weights = [np.empty((0, 2))], [np.empty(0)]
@@ -310,7 +311,7 @@ def place_labels(ax, anchors: list[tuple[float, float]], labels: list[str],
         marker_only = line.get_linestyle() in ("None", "", " ")
         chosen = vertices if marker_only else _along(vertices, step_px=3)
         points.append(chosen)
-        weights.append(np.full(len(chosen), 50.0 if marker_only else 1.0))
+        weights.append(np.full(len(chosen), 200.0 if marker_only else 40.0))
     points, weights = np.concatenate(points), np.concatenate(weights)
     legend = ax.get_legend()
     taken = [legend.get_window_extent(renderer)] if legend is not None else []
@@ -329,8 +330,8 @@ def place_labels(ax, anchors: list[tuple[float, float]], labels: list[str],
             covered = ((points[:, 0] >= box.x0) & (points[:, 0] <= box.x1)
                        & (points[:, 1] >= box.y0) & (points[:, 1] <= box.y1))
             crossings = float(weights[covered].sum())
-            penalty = (1000 * sum(box.overlaps(other) for other in taken)
-                       + 5000 * (not (inside.contains(box.x0, box.y0)
+            penalty = (100_000 * sum(box.overlaps(other) for other in taken)
+                       + 1_000_000 * (not (inside.contains(box.x0, box.y0)
                                       and inside.contains(box.x1, box.y1)))
                        + crossings + rank)  # nearer is better, all else equal
             if best is None or penalty < best[0]:
