@@ -1,6 +1,8 @@
 """The real model served through the radix cache: same tokens, less prefill, exact slot accounting."""
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from infra_lab import backend, model
 from infra_lab.kv import radix_serving
@@ -27,7 +29,7 @@ def test_the_tree_gives_the_same_tokens_and_skips_the_cached_prefill(target, pro
     served = radix_serving.serve_model(target, prompts, 12, 4096, cache=cache)
     assert served.outputs == without.outputs
     assert without.cached_tokens == 0 and without.slots_in_use == 0
-    assert served.hit_rate > 0.5  # two 320-byte openings shared by ten prompts
+    assert served.hit_rate > 0.5  # two openings of up to 320 bytes shared by ten prompts
     assert served.prefill_tokens == served.prompt_tokens - served.cached_tokens
     assert served.slots_in_use == cache.total_size  # every slot is the tree's or free
     assert cache.locked_size == 0  # nothing left pinned
@@ -81,3 +83,23 @@ def test_bad_requests_are_named(target):
         radix_serving.serve_model(target, ["x"], 1, 100, radix=False, cache=RadixCache())
     with pytest.raises(ValueError, match="n_prefixes must be in"):
         radix_serving.shared_prefix_prompts(4, n_prefixes=0)
+
+
+@given(st.lists(st.sampled_from([b"a", b"b", b" ", b"\n"]), max_size=60).map(b"".join),
+       st.integers(1, 70))
+def test_a_module_opening_is_whole_lines_of_the_source(source, prefix_bytes):
+    opening = radix_serving.module_opening(source, prefix_bytes)
+    assert opening.endswith(b"\n")
+    if b"\n" in source[:prefix_bytes]:  # whole lines: the longest run of them that fits
+        assert source.startswith(opening) and len(opening) <= prefix_bytes
+        assert b"\n" not in source[len(opening):prefix_bytes]
+    else:  # no whole line fits: the cut, then a newline
+        assert opening == source[:prefix_bytes] + b"\n"
+
+
+def test_the_prompts_open_with_whole_lines():
+    for prompt in radix_serving.shared_prefix_prompts(6, n_prefixes=3, prefix_bytes=320):
+        opening, _, rest = prompt.partition(b"\n\ndef ")
+        assert rest and len(opening) < 320  # a blank line, then the def line
+    with pytest.raises(ValueError, match="prefix_bytes"):
+        radix_serving.module_opening(b"x\n", 0)

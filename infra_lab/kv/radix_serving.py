@@ -173,11 +173,23 @@ def serve_model(model, prompts: list, max_new_tokens: int, n_slots: int, radix: 
                        time.perf_counter() - started, evicted, n_slots - pool.num_free)
 
 
+def module_opening(source: bytes, prefix_bytes: int) -> bytes:
+    """The whole lines that open `source` within its first `prefix_bytes` bytes, so that no line
+    is cut mid-word (a first line longer than that is cut at `prefix_bytes`, and ends the
+    opening with a newline added)."""
+    if prefix_bytes < 1:
+        raise ValueError(f"prefix_bytes must be at least 1; got {prefix_bytes}")
+    head = source[:prefix_bytes]
+    end = head.rfind(b"\n")
+    return head[:end + 1] if end >= 0 else head + b"\n"
+
+
 def shared_prefix_prompts(n_prompts: int = 24, n_prefixes: int = 3, prefix_bytes: int = 320,
                           seed: int = 0) -> list[bytes]:
     """Prompts of real Python that share prefixes, from the validation modules (held out of
-    training): `n_prefixes` module openings of `prefix_bytes` bytes, each request one of them plus
-    a `def` line from the same module, in a seeded random order."""
+    training): `n_prefixes` module openings of at most `prefix_bytes` bytes, cut after a whole line
+    (`module_opening`), each request one of them plus a `def` line from the same module, in a
+    seeded random order."""
     if not 1 <= n_prefixes <= len(corpus.VALIDATION):
         raise ValueError(f"n_prefixes must be in [1, {len(corpus.VALIDATION)}]; got {n_prefixes}")
     rng = np.random.default_rng(seed)
@@ -185,9 +197,10 @@ def shared_prefix_prompts(n_prompts: int = 24, n_prefixes: int = 3, prefix_bytes
     sources = [(root / name).read_bytes() for name in corpus.VALIDATION[:n_prefixes]]
     defs = [[line.strip() + b"\n" for line in source.splitlines() if line.strip().startswith(b"def ")]
             for source in sources]
+    openings = [module_opening(source, prefix_bytes) for source in sources]
     prompts = []
     for _ in range(n_prompts):
         which = int(rng.integers(n_prefixes))
         line = defs[which][int(rng.integers(len(defs[which])))][:120]
-        prompts.append(sources[which][:prefix_bytes] + b"\n\n" + line + b"    ")
+        prompts.append(openings[which] + b"\n" + line + b"    ")
     return prompts
