@@ -142,7 +142,7 @@ def measure(copy_bandwidth: float, sweep: bool = True) -> dict:
                "triton": share(ours["best"]), "triton_median": share(ours["median"]),
                "triton_launched_from_python": share(eager["best"]),
                "gather_then_sdpa": share(theirs["best"]), "speedup_vs_gather": theirs["best"] / ours["best"],
-               "torch_face_runs_triton": paged_attention._triton_on(q.device)}
+               "torch_face_runs_triton": paged_attention.uses_triton(q.device)}
         if q.dtype == torch.float32:  # the float64 reference of 2 x 1 GiB of bf16 would take minutes
             row["rel_err"] = rel_err(paged_attention.paged_decode_torch(*args), *args)
         else:  # against torch's own path on float32 copies of the same bf16 values

@@ -9,12 +9,10 @@ written once, as if caches were perfect; real kernels move at least this much.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from infra_lab.hardware import Device
-from infra_lab.model.config import CONFIGS
-
-TINY = CONFIGS["target"]
+from infra_lab.model.config import CONFIGS, ModelConfig
 
 BYTES_PER_ELEMENT: dict[str, float] = {
     "fp64": 8, "fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "int4": 0.5,
@@ -124,70 +122,24 @@ def fraction_of_roof(cost: Cost, seconds: float, device: Device, dtype: str) -> 
 
 # ---- transformer steps -----------------------------------------------------------------
 
-@dataclass(frozen=True)
-class ModelConfig:
-    name: str
-    n_layers: int
-    d_model: int
-    n_heads: int
-    n_kv_heads: int
-    d_ff: int  # SwiGLU hidden size: gate, up and down projections
-    vocab: int
-    source: str
-    n_experts: int = 1  # mixture of experts: MLPs per layer
-    experts_per_token: int = 1
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
-
-    @property
-    def attention_params(self) -> int:  # per layer: q, o (d x d); k, v (d x kv_width)
-        return self.d_model * (2 * self.d_model + 2 * self.n_kv_heads * self.head_dim)
-
-    @property
-    def expert_params(self) -> int:  # one SwiGLU MLP
-        return 3 * self.d_model * self.d_ff
-
-    @property
-    def router_params(self) -> int:
-        return self.d_model * self.n_experts if self.n_experts > 1 else 0
-
-    @property
-    def total_params(self) -> int:
-        """Every weight, the embedding table and LM head included."""
-        per_layer = self.attention_params + self.n_experts * self.expert_params + self.router_params
-        return self.n_layers * per_layer + 2 * self.vocab * self.d_model
-
-    @property
-    def active_params(self) -> int:
-        """Weights one token multiplies (the embedding is only indexed, not multiplied)."""
-        per_layer = self.attention_params + self.experts_per_token * self.expert_params + self.router_params
-        return self.n_layers * per_layer + self.vocab * self.d_model
-
-    def experts_touched(self, tokens: int) -> float:
-        """Expected distinct experts per layer that `tokens` tokens route to, under uniform
-        routing: E * (1 - (1 - k/E)^tokens)."""
-        e, k = self.n_experts, self.experts_per_token
-        return e * (1 - (1 - k / e) ** tokens) if e > 1 else 1.0
-
-
-def _config(name, n_layers, d_model, n_heads, n_kv_heads, d_ff, vocab, source, **moe) -> ModelConfig:
-    return ModelConfig(name, n_layers, d_model, n_heads, n_kv_heads, d_ff, vocab, source, **moe)
-
-
 PRESETS: dict[str, ModelConfig] = {config.name: config for config in (
-    _config("llama-2-7b", 32, 4096, 32, 32, 11008, 32000,
-            "config.json of meta-llama/Llama-2-7b-hf on Hugging Face"),
-    _config("llama-3-8b", 32, 4096, 32, 8, 14336, 128256,
-            "config.json of meta-llama/Meta-Llama-3-8B on Hugging Face"),
-    _config("llama-3-70b", 80, 8192, 64, 8, 28672, 128256,
-            "config.json of meta-llama/Meta-Llama-3-70B on Hugging Face"),
-    _config("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000,
-            "config.json of mistralai/Mixtral-8x7B-v0.1 on Hugging Face; Jiang et al., "
-            "Mixtral of Experts, 2024 (8 experts, 2 per token)", n_experts=8, experts_per_token=2),
-    _config("infra-lab-tiny", TINY.n_layers, TINY.d_model, TINY.n_heads, TINY.n_kv_heads, TINY.d_ff, TINY.vocab,
-            "this book's small GPT, infra_lab.model's target (chapter 02): bytes, 512-token context"),
+    ModelConfig("llama-2-7b", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=32, d_ff=11008,
+                vocab=32000, context=4096,
+                source="config.json of meta-llama/Llama-2-7b-hf on Hugging Face"),
+    ModelConfig("llama-3-8b", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336,
+                vocab=128256, context=8192, rope_theta=500000.0,
+                source="config.json of meta-llama/Meta-Llama-3-8B on Hugging Face"),
+    ModelConfig("llama-3-70b", n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, d_ff=28672,
+                vocab=128256, context=8192, rope_theta=500000.0,
+                source="config.json of meta-llama/Meta-Llama-3-70B on Hugging Face"),
+    ModelConfig("mixtral-8x7b", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336,
+                vocab=32000, context=32768, rope_theta=1e6,
+                source="config.json of mistralai/Mixtral-8x7B-v0.1 on Hugging Face; Jiang et al., "
+                       "Mixtral of Experts, 2024 (8 experts, 2 per token)",
+                n_experts=8, experts_per_token=2),
+    replace(CONFIGS["target"], name="infra-lab-tiny",
+            source="this book's small GPT, infra_lab.model's target (chapter 02): bytes, "
+                   f"{CONFIGS['target'].context}-token context"),
 )}
 LLAMA_3_8B = PRESETS["llama-3-8b"]
 

@@ -1,9 +1,11 @@
 """Chapter 04's checks fail plausible wrong answers, and say where they first differ."""
 import numpy as np
+import pytest
 
 from infra_lab.grading import checks
 from infra_lab.grading import ch04  # noqa: F401  (registers the checks)
 from infra_lab.kv.radix import RadixCache
+from infra_lab.serving import scheduling
 
 
 def run(name, candidate):
@@ -52,3 +54,19 @@ def test_match_without_split_and_unsorted_order_fail():
 
     assert run("ch04.match_prefix", no_split).passed < 24
     assert run("ch04.longest_prefix_first", lambda requests, cache: list(range(len(requests)))).passed < 24
+
+
+@pytest.mark.parametrize("name, owner, attribute, args", [
+    ("match_prefix", RadixCache, "match_prefix", ([1, 2],)),
+    ("insert", RadixCache, "insert", ([1, 2], [5, 6])),
+    ("evict", RadixCache, "evict", (3,)),
+    ("longest_prefix_first", scheduling, "longest_prefix_first", ([[1, 2]],)),
+])
+def test_the_references_call_the_package(monkeypatch, name, owner, attribute, args):
+    """Each reference hands its arguments to the package's own function and returns its answer."""
+    seen = []
+    monkeypatch.setattr(owner, attribute, lambda *given: seen.append(given) or "the package's answer")
+    cache = RadixCache()
+    arguments = (args[0], cache) if name == "longest_prefix_first" else (cache, *args)
+    assert getattr(ch04, name)(*arguments) == "the package's answer"
+    assert seen == [arguments]

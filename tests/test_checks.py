@@ -1,3 +1,7 @@
+import re
+import sys
+from pathlib import Path
+
 import pytest
 
 from infra_lab import stack
@@ -77,3 +81,56 @@ def test_short_repr_is_bounded_and_stable():
     assert checks.short_repr(list(range(100))) == "[0, 1, 2, 3, 4, 5, ...]"
     assert len(checks.short_repr("x" * 1000)) == 120
     assert checks.short_repr(object()) == "<object>"
+
+
+# ---- finding chapter modules by name ----------------------------------------------------------
+
+def test_every_chapter_module_in_the_package_is_discovered():
+    package_dir = Path(checks.__file__).parent
+    on_disk = sorted(path.stem for path in package_dir.glob("ch*.py") if re.fullmatch(r"ch\d\d", path.stem))
+    assert on_disk and checks.chapter_modules() == on_disk
+    assert {name.split(".")[0] for name in checks.known_checks()} == set(on_disk)
+
+
+@pytest.fixture
+def extra_chapters(tmp_path, monkeypatch):
+    """A package made at test time, holding chapter modules ch05 and ch06 (and a non-chapter
+    module), importable from tmp_path; its checks go into a copy of the registry."""
+    package = tmp_path / "extra_chapters_for_test"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    for chapter, exercise, factor in (("ch05", "double", 2), ("ch06", "triple", 3)):
+        (package / f"{chapter}.py").write_text(
+            "from infra_lab.grading.checks import Check, register\n\n\n"
+            f"def {exercise}(x):\n    return {factor} * x\n\n\n"
+            f"register(Check('{chapter}.{exercise}', {exercise}, lambda rng: (float(rng.uniform()),)))\n")
+    (package / "helpers.py").write_text("raise AssertionError('not a chapter module: never imported')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(checks, "_REGISTRY", dict(checks._REGISTRY))
+    yield package.name
+    for module in [name for name in sys.modules if name.startswith(package.name)]:
+        del sys.modules[module]
+
+
+def test_a_check_in_a_chapter_module_added_later_is_found(extra_chapters):
+    spec = checks._lookup("ch05.double", package=extra_chapters)
+    assert spec.name == "ch05.double"
+    assert f"{extra_chapters}.ch06" not in sys.modules  # a lookup imports its own chapter only
+    assert checks._run(spec, lambda x: x + x).line == "PASS ch05.double 24/24"
+
+
+def test_known_checks_imports_every_chapter_module_of_the_package(extra_chapters):
+    assert checks.chapter_modules(extra_chapters) == ["ch05", "ch06"]
+    assert {"ch05.double", "ch06.triple"} <= set(checks.known_checks(extra_chapters))
+
+
+def test_a_chapter_without_a_module_names_the_chapters_and_the_checks():
+    chapters = ", ".join(checks.chapter_modules())
+    expected = f"no check named 'ch99.x': infra_lab.grading has no module ch99 (chapters: {chapters}); known checks: "
+    with pytest.raises(KeyError, match=re.escape(expected) + "ch00.decode_intensity"):
+        check("ch99.x", print)
+
+
+def test_a_name_that_is_not_a_chapter_says_what_names_look_like():
+    with pytest.raises(KeyError, match=re.escape("no check named 'os.path': 'os' is not a chapter (names look like")):
+        check("os.path", print)

@@ -1,4 +1,8 @@
-"""The paged KV cache against a brute-force model: random allocate/append/fork/free sequences."""
+"""The paged KV cache against a brute-force model: random new/prompt/append/fork/truncate/free
+sequences, with prompts that share prefixes, and every invariant checked after every step."""
+import hashlib
+import struct
+
 import numba
 import numpy as np
 import pytest
@@ -11,8 +15,13 @@ from infra_lab.kv.paged import BlockAllocator, OutOfBlocks, PagedKVCache
 
 def snapshot(cache: PagedKVCache):
     a = cache.allocator
-    return (repr(cache.tables), repr(cache.lengths), list(a.ref_counts), list(a.free_ids), list(a.cached.items()),
-            repr(cache.hash_to_block), cache.k.copy(), cache.v.copy())
+    return (repr(cache.tables), repr(cache.lengths), repr(cache.tokens), repr(cache.digests), list(a.ref_counts),
+            list(a.free_ids), list(a.cached.items()), repr(cache.hash_to_block), repr(cache.block_hash),
+            repr(cache.block_tokens), cache.k.copy(), cache.v.copy())
+
+
+def unchanged(before, after) -> bool:
+    return all(np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y for x, y in zip(before, after))
 
 
 def check_invariants(cache: PagedKVCache):
@@ -25,6 +34,64 @@ def check_invariants(cache: PagedKVCache):
         assert (block in free) == (owners == 0), block  # free or referenced, never both
     for seq, table in cache.tables.items():
         assert len(table) == -(-cache.lengths[seq] // cache.block_size)
+        assert len(cache.tokens[seq]) == cache.lengths[seq]
+    # the prefix index: digest <-> block one to one, cached blocks all in it, free ones never
+    assert {block: digest for digest, block in cache.hash_to_block.items()} == cache.block_hash
+    assert set(cache.block_tokens) == set(cache.block_hash)
+    assert all(a.cached[block] == cache.block_hash.get(block) for block in a.cached)
+    assert not set(a.free_ids) & set(cache.block_hash)
+
+
+def digests_of(tokens: list[int], block_size: int) -> list[bytes]:
+    """Brute force: sha256 over the parent's digest and the block's token ids, int64 little-endian."""
+    out, parent = [], bytes(32)
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        chunk = tokens[start:start + block_size]
+        parent = hashlib.sha256(parent + struct.pack(f"<{len(chunk)}q", *chunk)).digest()
+        out.append(parent)
+    return out
+
+
+def kv_values(tokens: list[int]) -> np.ndarray:
+    """The brute-force KV: position p holds a value that depends on every token up to p, as a
+    real key does (integers below 2^16, exact in float32). Layer l stores K = value + l, V = -value."""
+    out, running = [], 0
+    for token in tokens:
+        running = (running * 31 + token + 3) % 65521
+        out.append(running)
+    return np.array(out, np.float32)
+
+
+def extend(cache: PagedKVCache, seq: int, tokens: list[int]):
+    """reserve, write the brute-force KV of the new positions, commit."""
+    cache.reserve(seq, len(tokens))
+    values = kv_values(cache.tokens[seq] + tokens)[cache.lengths[seq]:]
+    rows = values[:, None, None] * np.ones((1,) + cache.k.shape[3:], np.float32)
+    for layer in range(cache.k.shape[0]):
+        cache.write(seq, layer, rows + layer, -rows)
+    cache.commit(seq, tokens)
+
+
+def check_contents(cache: PagedKVCache, model: dict[int, list[int]], known: dict[bytes, tuple]):
+    """Each sequence holds its tokens and their KV; each digest names one token prefix ever seen;
+    the index sends every digest to a block holding that prefix's last tokens and their KV."""
+    bs = cache.block_size
+    for seq, tokens in model.items():
+        assert cache.tokens[seq] == tokens
+        for layer in range(cache.k.shape[0]):
+            keys, values = cache.gather(seq, layer, len(tokens))
+            assert np.array_equal(keys[:, 0, 0], kv_values(tokens) + layer)
+            assert np.array_equal(values[:, 0, 0], -kv_values(tokens))
+        digests = digests_of(tokens, bs) if cache.prefix_sharing else []
+        assert cache.digests[seq] == digests
+        for index, digest in enumerate(digests):
+            assert known.setdefault(digest, tuple(tokens[:(index + 1) * bs])) == tuple(tokens[:(index + 1) * bs])
+    for digest, block in cache.hash_to_block.items():
+        prefix = known[digest]  # the test saw every registered digest being made
+        assert cache.block_tokens[block] == prefix[-bs:]
+        for layer in range(cache.k.shape[0]):
+            assert np.array_equal(cache.k[layer, block, :, 0, 0], kv_values(list(prefix))[-bs:] + layer)
+            assert np.array_equal(cache.v[layer, block, :, 0, 0], -kv_values(list(prefix))[-bs:])
 
 
 def append(cache: PagedKVCache, seq: int, values: list[float]):
@@ -35,43 +102,112 @@ def append(cache: PagedKVCache, seq: int, values: list[float]):
     cache.commit(seq, [int(abs(v)) % 7 for v in values])
 
 
-operations = st.lists(st.tuples(st.sampled_from(["new", "append", "fork", "free"]), st.integers(0, 10**6),
-                                st.integers(1, 9)), min_size=1, max_size=60)
+ALPHABET = [-2, -1, 0, 1]  # few ids, so prompts share prefixes; hash(-1) == hash(-2) in Python
+operations = st.lists(st.tuples(st.sampled_from(["prompt", "append", "fork", "truncate", "free"]),
+                                st.integers(0, 10**6), st.lists(st.sampled_from(ALPHABET), min_size=1, max_size=9)),
+                      min_size=8, max_size=60)
 
 
 @settings(max_examples=300)
 @given(ops=operations, num_blocks=st.integers(1, 12), block_size=st.integers(1, 5), sharing=st.booleans())
 def test_random_operations_keep_every_invariant(ops, num_blocks, block_size, sharing):
     cache = PagedKVCache(2, 1, 2, num_blocks, block_size, prefix_sharing=sharing)
-    model: dict[int, list[float]] = {}
-    for op, pick, n in ops:
+    model: dict[int, list[int]] = {}  # live sequence -> its tokens
+    seen: list[list[int]] = [[]]  # every token list a sequence held, for prompts to share
+    known: dict[bytes, tuple] = {}  # every chain digest -> the one token prefix it names
+    for op, pick, tokens in ops:
         live = sorted(model)
         seq = live[pick % len(live)] if live else None
+        if op == "prompt":  # a new request whose prompt starts like an earlier one
+            source = seen[pick % len(seen)]
+            prompt = source[: pick // 1009 % (len(source) + 1)] + tokens
+            seq = cache.new_sequence()
+            matched = cache.match_prefix(seq, prompt)
+            assert matched % block_size == 0 and matched <= len(prompt) - 1 and (sharing or matched == 0)
+            model[seq], tokens = prompt[:matched], prompt[matched:]  # the rest is computed below
+            check_contents(cache, model, known)  # the matched KV is the prompt's own
         before = snapshot(cache)
         try:
-            if op == "new" or seq is None:
+            if seq is None:
                 model[cache.new_sequence()] = []
-            elif op == "append":
-                values = [float(pick % 97 + i) for i in range(n)]
-                append(cache, seq, values)
-                model[seq] += values
+            elif op in ("append", "prompt"):
+                extend(cache, seq, tokens)
+                model[seq] = model[seq] + tokens
             elif op == "fork":
                 model[cache.fork(seq)] = list(model[seq])
+            elif op == "truncate":
+                length = len(model[seq]) + 1 - pick // 1009 % (2 * block_size + 3)  # rolls back a few, or errs
+                cache.truncate(seq, length)
+                assert 0 <= length <= len(model[seq])
+                del model[seq][length:]
             else:
                 cache.free(seq)
                 del model[seq]
         except OutOfBlocks:
-            after = snapshot(cache)
-            assert all(np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y for x, y in zip(before, after))
+            assert unchanged(before, snapshot(cache))
+        except ValueError as error:
+            assert op == "truncate" and f"to {length} tokens; allowed 0..{len(model[seq])}" in str(error)
+            assert unchanged(before, snapshot(cache))
+        seen.extend(list(held) for held in model.values())
         check_invariants(cache)
-        for s, values in model.items():  # contents match the brute-force model, forks included
-            keys, vals = cache.gather(s, 1, len(values))
-            assert np.array_equal(keys[:, 0, 0], np.array(values, np.float32) + 1)
-            assert np.array_equal(vals[:, 0, 0], -np.array(values, np.float32))
+        check_contents(cache, model, known)
     for seq in list(model):
         cache.free(seq)
     assert cache.allocator.num_free == num_blocks  # nothing leaks
+    assert len(cache.allocator.cached) == len(cache.hash_to_block)  # every indexed block is cached
     check_invariants(cache)
+
+
+@settings(max_examples=200)
+@given(prompt=st.lists(st.sampled_from(ALPHABET), min_size=1, max_size=30), extra=st.lists(
+    st.sampled_from(ALPHABET), max_size=5), keep=st.integers(0, 30), block_size=st.integers(1, 5))
+def test_a_committed_prompt_is_found_again_up_to_where_it_was_truncated(prompt, extra, keep, block_size):
+    """No eviction (the pool is large): a later prompt that starts with this one matches every
+    full block that is still there, and none of the rolled-back ones."""
+    cache = PagedKVCache(1, 1, 1, 64, block_size, prefix_sharing=True)
+    first = cache.new_sequence()
+    extend(cache, first, prompt)
+    keep = min(keep, len(prompt))
+    cache.truncate(first, keep)
+    query = prompt + extra
+    second = cache.new_sequence()
+    assert cache.match_prefix(second, query) == block_size * min(keep // block_size, (len(query) - 1) // block_size)
+    check_invariants(cache)
+
+
+@settings(max_examples=200)
+@given(prompt=st.lists(st.sampled_from(ALPHABET), min_size=2, max_size=20), keep=st.integers(0, 20),
+       extra=st.lists(st.sampled_from(ALPHABET), min_size=1, max_size=6), block_size=st.integers(2, 5),
+       share=st.sampled_from(["fork", "match"]), then=st.sampled_from(["other frees", "other truncates", "both hold"]))
+def test_a_shared_block_kept_in_part_is_never_written_while_indexed(prompt, keep, extra, block_size, share, then):
+    """Truncate a sequence into a full, indexed block that another sequence shares, then write:
+    the block is copied while shared, and leaves the index once the writer holds it alone."""
+    cache = PagedKVCache(2, 1, 2, 32, block_size, prefix_sharing=True)
+    known: dict[bytes, tuple] = {}
+    first = cache.new_sequence()
+    extend(cache, first, prompt)
+    if share == "fork":
+        other = cache.fork(first)
+    else:
+        other = cache.new_sequence()
+        extend(cache, other, prompt[cache.match_prefix(other, prompt):])
+    model = {first: list(prompt), other: list(prompt)}
+    check_contents(cache, model, known)
+    keep = min(keep, len(prompt))
+    cache.truncate(first, keep)
+    del model[first][keep:]
+    if then == "other frees":
+        cache.free(other)
+        del model[other]
+    elif then == "other truncates":
+        cache.truncate(other, 0)
+        model[other] = []
+    check_invariants(cache)
+    check_contents(cache, model, known)
+    extend(cache, first, extra)
+    model[first] += extra
+    check_invariants(cache)
+    check_contents(cache, model, known)  # the index still sends each digest to that prefix's KV
 
 
 def test_fork_then_append_copies_the_shared_last_block_only():
@@ -123,13 +259,19 @@ def test_bad_input_gets_clear_errors_and_changes_nothing():
     before = snapshot(cache)
     with pytest.raises(OutOfBlocks, match="need 2 blocks but only 1 of 2 are free"):
         cache.reserve(seq, 7)
-    after = snapshot(cache)
-    assert all(np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y for x, y in zip(before, after))
+    assert unchanged(before, snapshot(cache))
+    with pytest.raises(ValueError, match=r"cannot truncate sequence 0 to 3 tokens; allowed 0\.\.2"):
+        cache.truncate(seq, 3)
+    with pytest.raises(ValueError, match=r"cannot truncate sequence 0 to -1 tokens; allowed 0\.\.2"):
+        cache.truncate(seq, -1)
+    assert unchanged(before, snapshot(cache))
     cache.free(seq)
     with pytest.raises(KeyError, match="sequence 0 is not live"):
         cache.free(seq)
     with pytest.raises(KeyError, match="sequence 0 is not live"):
         cache.reserve(seq, 1)
+    with pytest.raises(KeyError, match="sequence 0 is not live"):
+        cache.truncate(seq, 0)
     with pytest.raises(ValueError, match="block_size must be >= 1; got 0"):
         PagedKVCache(1, 1, 1, 4, 0)
     with pytest.raises(ValueError, match="at least one block; got num_blocks=0"):

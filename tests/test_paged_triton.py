@@ -60,7 +60,7 @@ def test_split_size_is_whole_tiles_aimed_at_eight_programs_per_sm():
 
 
 def test_the_torch_face_gathers_on_the_cpu():
-    assert not paged_attention._triton_on(torch.device("cpu"))
+    assert not paged_attention.uses_triton(torch.device("cpu"))
 
 
 def test_triton_kernel_names_shapes_that_do_not_fit():

@@ -47,7 +47,7 @@ def test_random_interleavings_agree_with_brute_force(ops):
             length, found, node = cache.match_prefix(tokens)
             assert length == longest
             assert found.tolist() == [cached[tuple(tokens[:i])] for i in range(1, length + 1)]
-            if op == "lock" and length:
+            if op == "lock":  # an empty match locks the root: a no-op, and so is its unlock
                 cache.lock(node)
                 held.append((node, tuple(tokens[:length])))
         elif op == "unlock" and held:
@@ -77,10 +77,12 @@ def test_bad_input_is_named():
     cache = RadixCache()
     with pytest.raises(ValueError, match=r"one KV slot per token; got \(3,\) tokens and \(2,\) slots"):
         cache.insert([1, 2, 3], [7, 8])
-    _, _, node = cache.match_prefix([1])
-    with pytest.raises(ValueError, match="not locked"):
-        cache.unlock(node)
+    _, _, root = cache.match_prefix([1])
+    cache.unlock(root)  # an empty match: unlock, like lock, does nothing on the root
     cache.insert([1, 2, 3], [4, 5, 6])
+    _, _, node = cache.match_prefix([1, 2, 3])
+    with pytest.raises(ValueError, match=r"unlock of a node that is not locked \(lock_refs 0, key \[1, 2, 3\]\)"):
+        cache.unlock(node)
     assert cache.evict(100) == 3  # asks for more than there is: evicts what it can
 
 
@@ -91,33 +93,6 @@ def test_peek_changes_nothing_and_agrees_with_match():
     assert cache.peek_prefix([1, 2, 9]) == 2 and cache.clock == clock
     assert len(cache.root.children[1].key) == 4  # no split
     assert cache.match_prefix([1, 2, 9])[0] == 2
-
-
-def test_scheduling_orders():
-    from infra_lab.kv import radix
-
-    cache = RadixCache()
-    cache.insert([5, 5, 5, 5], [0, 1, 2, 3])
-    waiting = [[1, 2], [5, 5, 5, 1], [5, 1], [9, 9, 9]]
-    assert radix.fcfs(waiting) == [0, 1, 2, 3]
-    assert radix.longest_prefix_first(waiting, cache) == [1, 2, 0, 3]
-    shared = [[1, 2, 3], [7], [1, 2, 4], [1, 2, 3, 5], [7, 8]]
-    order = radix.dfs_weight(shared)
-    assert sorted(order) == [0, 1, 2, 3, 4]
-    first_three = set(order[:3])
-    assert first_three == {0, 2, 3}  # the heaviest subtree (prefix 1, 2) runs back to back
-
-
-@given(requests=st.lists(st.lists(st.integers(0, 2), max_size=6), max_size=12))
-def test_every_order_is_a_permutation(requests):
-    from infra_lab.kv import radix
-
-    cache = RadixCache()
-    for tokens in requests[: len(requests) // 2]:
-        if tokens:
-            cache.insert(tokens, np.arange(len(tokens)))
-    for order in (radix.fcfs(requests), radix.dfs_weight(requests), radix.longest_prefix_first(requests, cache)):
-        assert sorted(order) == list(range(len(requests)))
 
 
 def test_insert_hands_back_only_duplicates_not_the_trees_own_slots():

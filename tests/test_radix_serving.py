@@ -5,7 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from infra_lab import backend, model
-from infra_lab.kv import radix_serving
+from infra_lab.serving import radix_serving
 from infra_lab.kv.radix import RadixCache
 
 
@@ -49,23 +49,18 @@ def test_torch_path_agrees(target, prompts, without):
     assert served.outputs == without.outputs[:4]
 
 
-def test_pool_allocates_all_or_nothing_and_names_bad_frees():
-    pool = radix_serving.SlotPool(1, 1, 2, 4)
-    slots = pool.allocate(3)
-    assert slots.tolist() == [0, 1, 2] and pool.num_free == 1
-    with pytest.raises(radix_serving.OutOfSlots, match="need 2 slots but only 1 of 4"):
-        pool.allocate(2)
-    assert pool.num_free == 1
-    pool.free(slots[:1])
-    with pytest.raises(ValueError, match="slot 0 is already free"):
-        pool.free([0])
-    with pytest.raises(ValueError, match=r"slots \[1, 1\] name a slot twice"):
-        pool.free([1, 1])
-    with pytest.raises(ValueError, match="slot 9 is outside the pool of 4"):
-        pool.free([9])
-    assert pool.num_free == 2
-    with pytest.raises(ValueError, match="at least one slot"):
-        radix_serving.SlotPool(1, 1, 2, 0)
+def test_the_token_pool_is_a_paged_pool_of_one_token_blocks_the_tree_holds(target, prompts):
+    """After a run, every slot the tree caches is held once (by the tree), and every other slot
+    is free: no reference leaks from the sequences, duplicates or evictions."""
+    cache = RadixCache()
+    served = radix_serving.serve_model(target, prompts, 12, 500, cache=cache)
+    assert served.evicted_tokens > 0
+    slots, stack = [], list(cache.root.children.values())
+    while stack:
+        node = stack.pop()
+        slots.extend(node.slots.tolist())
+        stack.extend(node.children.values())
+    assert len(set(slots)) == len(slots) == cache.total_size == served.slots_in_use
 
 
 def test_bad_requests_are_named(target):

@@ -106,6 +106,14 @@ def test_tiny_model_has_about_a_million_parameters():
     assert 0.8e6 < roofline.preset("infra-lab-tiny").total_params < 1.3e6
 
 
+def test_the_shipped_model_config_is_the_tiny_preset_roofline_prices():
+    from infra_lab import model
+
+    target = roofline.step_cost(model.CONFIGS["target"], 1, 1, 10, "fp32")
+    assert target == roofline.step_cost(roofline.preset("infra-lab-tiny"), 1, 1, 10, "fp32")
+    assert roofline.preset("infra-lab-tiny").total_params == model.CONFIGS["target"].total_params
+
+
 def test_an_unknown_preset_lists_the_known_ones():
     with pytest.raises(KeyError, match="presets: llama-2-7b, llama-3-8b"):
         roofline.preset("gpt-5")

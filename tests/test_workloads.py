@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from infra_lab.kv import workloads
+from infra_lab.serving import workloads
+from infra_lab.serving.scheduling import POLICIES
 
 
 def test_few_shot_with_room_for_the_shared_examples_serves_80_percent_from_cache():
@@ -81,7 +82,7 @@ prompts = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=10).map(np.a
 
 @settings(max_examples=60, deadline=None)
 @given(requests=prompts, extra=st.integers(0, 60), batch=st.integers(1, 6),
-       policy=st.sampled_from(workloads.POLICIES))
+       policy=st.sampled_from(POLICIES))
 def test_no_cache_serves_more_than_every_prefix_computed_once(requests, extra, batch, policy):
     total = sum(len(r) for r in requests)
     bound = total - distinct_prefixes(requests)

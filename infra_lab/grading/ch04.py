@@ -1,13 +1,16 @@
 """Checks for chapter 04's exercises: prefix match with a split, insert, LRU eviction that
 respects locks, and longest-prefix-first ordering, each written as a function of a
-`infra_lab.kv.radix.RadixCache`. Every case drives a fresh cache through a seeded script and
-records what the function returns, the slots it hands back and the whole tree after each step."""
+`infra_lab.kv.radix.RadixCache`. The references call the package: RadixCache's own methods and
+`infra_lab.serving.scheduling.longest_prefix_first`. Every case drives a fresh cache through a
+seeded script and records what the function returns, the slots it hands back and the whole tree
+after each step."""
 from __future__ import annotations
 
 import numpy as np
 
 from infra_lab.grading.checks import Check, register
 from infra_lab.kv.radix import RadixCache
+from infra_lab.serving import scheduling
 
 
 def match_prefix(cache, tokens):
@@ -29,8 +32,7 @@ def evict(cache, n_tokens):
 
 def longest_prefix_first(requests, cache):
     """Reference: indices of requests, most cached tokens first, ties in arrival order."""
-    matched = [cache.peek_prefix(tokens) for tokens in requests]
-    return sorted(range(len(requests)), key=lambda i: -matched[i])
+    return scheduling.longest_prefix_first(requests, cache)
 
 
 def snapshot(cache) -> tuple:

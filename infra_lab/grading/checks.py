@@ -3,12 +3,17 @@
 Each check draws random cases from a generator seeded by the check's name, calls the reference
 and the student's function on copies of the same arguments, and compares the results. The
 printed line is deterministic, so a notebook can keep it as the cell's expected output.
+A check named "chNN.exercise" is registered by the chapter module infra_lab/grading/chNN.py,
+found by name and imported the first time one of its checks is asked for.
 """
 from __future__ import annotations
 
 import copy
 import importlib
+import importlib.util
 import math
+import pkgutil
+import re
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -43,7 +48,8 @@ class CheckResult:
 
 _REGISTRY: dict[str, Check] = {}
 _RESULTS: list[CheckResult] = []
-_CHAPTER_MODULES = {f"ch{n:02d}": f"infra_lab.grading.ch{n:02d}" for n in range(5)}
+CHAPTER_PACKAGE = "infra_lab.grading"  # where the chapter modules chNN.py that register checks live
+_CHAPTER_NAME = re.compile(r"ch\d\d")
 
 
 def register(spec: Check) -> Check:
@@ -51,19 +57,47 @@ def register(spec: Check) -> Check:
     return spec
 
 
-def _lookup(name: str) -> Check:
+def chapter_modules(package: str = CHAPTER_PACKAGE) -> list[str]:
+    """Names of the chapter modules (chNN) in `package`, in chapter order."""
+    found = pkgutil.iter_modules(importlib.import_module(package).__path__)
+    return sorted(module.name for module in found if _CHAPTER_NAME.fullmatch(module.name))
+
+
+def _load_chapter(chapter: str, package: str) -> bool:
+    """Import `package.chapter` so that its checks register; False if there is no such module."""
+    if not _CHAPTER_NAME.fullmatch(chapter):
+        return False
+    module = f"{package}.{chapter}"
+    if importlib.util.find_spec(module) is None:
+        return False
+    importlib.import_module(module)
+    return True
+
+
+def known_checks(package: str = CHAPTER_PACKAGE) -> list[str]:
+    """Every check name, after importing each chapter module of `package`."""
+    for chapter in chapter_modules(package):
+        _load_chapter(chapter, package)
+    return sorted(_REGISTRY)
+
+
+def _lookup(name: str, package: str = CHAPTER_PACKAGE) -> Check:
+    """The check called `name` ("chNN.exercise"), importing its chapter module from `package`."""
     chapter = name.split(".")[0]
-    if chapter in _CHAPTER_MODULES:
-        importlib.import_module(_CHAPTER_MODULES[chapter])
+    has_module = _load_chapter(chapter, package)
     if name not in _REGISTRY:
-        raise KeyError(f"no check named {name!r}; known checks: {', '.join(sorted(_REGISTRY))}")
+        raise KeyError(_unknown_check_message(name, chapter, has_module, package))
     return _REGISTRY[name]
 
 
-def known_checks() -> list[str]:
-    for module in _CHAPTER_MODULES.values():
-        importlib.import_module(module)
-    return sorted(_REGISTRY)
+def _unknown_check_message(name: str, chapter: str, has_module: bool, package: str) -> str:
+    if not _CHAPTER_NAME.fullmatch(chapter):
+        why = f": {chapter!r} is not a chapter (names look like ch03.Allocator)"
+    elif not has_module:
+        why = f": {package} has no module {chapter} (chapters: {', '.join(chapter_modules(package))})"
+    else:
+        why = ""
+    return f"no check named {name!r}{why}; known checks: {', '.join(known_checks(package))}"
 
 
 def short_repr(value: object, limit: int = 120) -> str:

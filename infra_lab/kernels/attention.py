@@ -9,11 +9,14 @@ multiple of H_kv (grouped-query attention); out (H, L, D).
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
+from pathlib import Path
 
 import numba
 import numpy as np
-from threadpoolctl import threadpool_limits
+from threadpoolctl import ThreadpoolController
 
 import scipy.linalg.cython_blas  # noqa: F401  the BLAS numba's np.dot calls: loaded before we limit it
 
@@ -22,6 +25,29 @@ from infra_lab import backend as backends
 LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
 BLOCK_Q = BLOCK_K = 256  # query rows and key rows per tile of the numba kernel
+
+
+@functools.cache
+def _numba_blas():
+    """scipy's BLAS, the one numba's np.dot calls, set to one thread for good (numpy's own BLAS,
+    a separate library in pip wheels, keeps its threads). Changing a BLAS's thread count costs
+    about a millisecond, too much to pay on every kernel call. None where scipy shares numpy's
+    BLAS (conda's MKL, say): then each call limits it and puts it back."""
+    controller = ThreadpoolController()
+    own = controller.select(filepath=[lib.filepath for lib in controller.lib_controllers
+                                      if lib.user_api == "blas" and "scipy" in Path(lib.filepath).parent.name])
+    if not own.lib_controllers:
+        return None
+    own.limit(limits=1)
+    return own
+
+
+def single_threaded_blas():
+    """A context in which the BLAS that numba calls runs on one thread, for kernels that call it
+    from each of numba's threads, so that the two thread pools do not fight."""
+    if _numba_blas() is not None:
+        return contextlib.nullcontext()
+    return ThreadpoolController().limit(limits=1, user_api="blas")
 
 
 def _check(q_shape, k_shape, v_shape) -> None:
@@ -120,7 +146,7 @@ def attention_numba(q, k, v, causal: bool = True, block_q: int = BLOCK_Q, block_
         raise ValueError(f"block sizes must be >= 1; got block_q={block_q}, block_k={block_k}")
     out = np.empty(q.shape, np.float32)
     q, k, v = (np.ascontiguousarray(x, np.float32) for x in (q, k, v))
-    with threadpool_limits(1, user_api="blas"):
+    with single_threaded_blas():
         _flash_forward(q, k, v, np.float32(1 / math.sqrt(q.shape[2])), causal, block_q, block_k, out)
     return out
 

@@ -21,40 +21,13 @@ import numpy as np
 from infra_lab import backend as backends
 from infra_lab.kernels.attention import LN_2, LOG2_E
 from infra_lab.kernels.attention_decode import decode_attention_numpy
-
-
-def _check_shapes(q, k_pool, v_pool, block_tables, lengths) -> None:
-    """Shapes only, so numpy arrays and torch tensors on any device pass through without a copy."""
-    if len(q.shape) != 3 or len(k_pool.shape) != 4 or tuple(k_pool.shape) != tuple(v_pool.shape):
-        raise ValueError(f"need q (batch, n_heads, d) and k_pool, v_pool (num_blocks, block_size, n_kv_heads, d); "
-                         f"got q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, v_pool {tuple(v_pool.shape)}")
-    batch, n_heads, d = q.shape
-    n_kv = k_pool.shape[2]
-    if k_pool.shape[3] != d or n_heads % n_kv:
-        raise ValueError(f"q {tuple(q.shape)} does not fit k_pool {tuple(k_pool.shape)}: d must match and "
-                         "n_heads must be a multiple of n_kv_heads")
-    if len(block_tables.shape) != 2 or block_tables.shape[0] != batch or tuple(lengths.shape) != (batch,):
-        raise ValueError(f"need block_tables (batch={batch}, max_blocks) and lengths ({batch},); "
-                         f"got {tuple(block_tables.shape)} and {tuple(lengths.shape)}")
-
-
-def _blocks_in_use(tables: np.ndarray, lengths: np.ndarray, block_size: int) -> np.ndarray:
-    """(batch, max_blocks) bool: the table entries that hold a sequence's tokens."""
-    return np.arange(tables.shape[1]) < -(-lengths[:, None] // block_size)
+from infra_lab.kernels.paged_shapes import blocks_in_use, check_decode_shapes, check_tables
 
 
 def _check(q, k_pool, v_pool, block_tables, lengths) -> None:
     tables, lengths = np.asarray(block_tables), np.asarray(lengths)
-    _check_shapes(q, k_pool, v_pool, tables, lengths)
-    num_blocks, block_size = k_pool.shape[:2]
-    if (lengths < 1).any() or (lengths > tables.shape[1] * block_size).any():
-        raise ValueError(f"lengths must be in [1, {tables.shape[1] * block_size}]; got {lengths.tolist()}")
-    used = _blocks_in_use(tables, lengths, block_size)
-    outside = used & ((tables < 0) | (tables >= num_blocks))
-    if outside.any():
-        b = int(outside.any(axis=1).argmax())
-        raise ValueError(f"sequence {b}'s block table points outside the pool of {num_blocks}: "
-                         f"{tables[b, used[b]].tolist()}")
+    check_decode_shapes(q, k_pool, v_pool, tables, lengths)
+    check_tables(tables, lengths, k_pool.shape[0], k_pool.shape[1])
 
 
 def gather(pool: np.ndarray, block_tables, lengths) -> np.ndarray:
@@ -101,7 +74,7 @@ def address_order(block_tables, lengths, block_size: int) -> tuple[np.ndarray, n
     if tables.ndim != 2 or lengths.shape != (len(tables),) or block_size < 1:
         raise ValueError(f"need block_tables (batch, max_blocks), lengths (batch,) and block_size >= 1; "
                          f"got {tables.shape}, {lengths.shape} and {block_size}")
-    seqs, logicals = np.nonzero(_blocks_in_use(tables, lengths, block_size))
+    seqs, logicals = np.nonzero(blocks_in_use(tables, lengths, block_size))
     blocks = tables[seqs, logicals]
     order = np.argsort(blocks, kind="stable")
     return blocks[order], seqs[order], logicals[order]
@@ -184,14 +157,16 @@ def _paged_chunks_for(head_dim: int):
     return paged_chunks
 
 
-def paged_decode_numba(q, k_pool, v_pool, block_tables, lengths):
+def paged_decode_numba(q, k_pool, v_pool, block_tables, lengths, checked: bool = False):
     """CPU, float32. The kernel reads the pool in address order (see address_order), not sequence
     by sequence: each thread takes one contiguous stretch of it, and folds each block into the
     running softmax of the sequence that owns it, so the hardware prefetchers see one stream per
     thread. The threads' softmaxes then merge, like flash-decoding's splits. Pools may be views
     whose blocks sit apart (see flat_pool); PagedKVCache keeps a block's K beside its V, so each
-    block is one contiguous stretch. Each thread keeps batch x n_heads x (d + 2) floats of state."""
-    _check(q, k_pool, v_pool, block_tables, lengths)
+    block is one contiguous stretch. Each thread keeps batch x n_heads x (d + 2) floats of state.
+    `checked=True` skips the checks (the model checks a step's metadata once)."""
+    if not checked:
+        _check(q, k_pool, v_pool, block_tables, lengths)
     lengths = np.asarray(lengths, np.int64)
     batch, n_heads, d = q.shape
     block_size, n_kv = k_pool.shape[1], k_pool.shape[2]
@@ -209,8 +184,9 @@ def paged_decode_numba(q, k_pool, v_pool, block_tables, lengths):
     return ((rescale[..., None] * acc).sum(axis=0) / (rescale * total).sum(axis=0)[..., None]).astype(np.float32)
 
 
-def _triton_on(device) -> bool:
-    """Whether the Triton kernel can run on `device`: a CUDA GPU, with triton installed."""
+def uses_triton(device) -> bool:
+    """Whether the torch face runs its Triton kernel on `device`: a CUDA GPU, with triton installed.
+    (The tests reach the same route on a CPU, under Triton's interpreter, by patching this.)"""
     if device.type != "cuda":
         return False
     try:
@@ -237,7 +213,7 @@ def paged_decode_torch(q, k_pool, v_pool, block_tables, lengths):
         block_tables = torch.as_tensor(np.asarray(block_tables), device=q.device)
     if not isinstance(lengths, torch.Tensor):
         lengths = torch.as_tensor(np.asarray(lengths), device=q.device)
-    if _triton_on(q.device):
+    if uses_triton(q.device):
         from infra_lab.kernels.paged_attention_triton import paged_decode_triton
 
         out = paged_decode_triton(q, k_pool, v_pool, block_tables, lengths)

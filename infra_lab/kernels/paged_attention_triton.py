@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from infra_lab.kernels.attention import LOG2_E
-from infra_lab.kernels.paged_attention import _check_shapes
+from infra_lab.kernels.paged_shapes import check_decode_shapes
 
 
 @triton.jit
@@ -91,7 +91,7 @@ def paged_decode_triton(q, k_pool, v_pool, block_tables, lengths, *, tile: int =
     All torch tensors on one device. Returns (batch, n_heads, d) in q's dtype. Shapes are checked
     here; the tables' values are not, since that would copy them off the GPU on every call (the
     numpy-in path of paged_attention.paged_decode_torch checks them)."""
-    _check_shapes(q, k_pool, v_pool, block_tables, lengths)
+    check_decode_shapes(q, k_pool, v_pool, block_tables, lengths)
     batch, n_heads, d = q.shape
     block_size, n_kv = k_pool.shape[1], k_pool.shape[2]
     if k_pool.stride() != v_pool.stride() or k_pool.stride(3) != 1:

@@ -4,15 +4,31 @@ Language Model Serving with PagedAttention", SOSP 2023).
 
 Layout: K and V are each (n_layers, num_blocks, block_size, n_kv_heads, head_dim). Sequence s
 keeps its token t at block `tables[s][t // block_size]`, slot `t % block_size`. With prefix
-sharing on, a full block is known by the hash of its tokens chained with its prefix's hash, as in
-vLLM's automatic prefix caching: a new sequence whose prompt starts with cached blocks takes them
-instead of computing them, and a freed block stays cached until the pool needs it back.
+sharing on, a full block is known by a sha256 digest of its tokens chained with its prefix's
+digest, as in vLLM's automatic prefix caching: a new sequence whose prompt starts with cached
+blocks takes them instead of computing them, and a freed block stays cached until the pool needs
+it back. A sequence hands its blocks back last block first, so the pool evicts a chain from its
+tail and the prefix that other prompts share outlives it.
 """
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict, deque
 
 import numpy as np
+
+from infra_lab.kv import metadata
+from infra_lab.kv.metadata import StepMetadata
+
+ROOT_DIGEST = bytes(32)  # the parent of every sequence's first block
+
+
+def chain_digest(parent: bytes, tokens) -> bytes:
+    """A full block's name: sha256 over its parent block's digest and its token ids (int64,
+    little-endian). Python's hash would let two prefixes share KV (hash(-1) == hash(-2)); vLLM
+    moved to sha256 after advisory GHSA-rm76-4mrf-v9r8 (an option from v0.8.3, the default from
+    v0.10.2)."""
+    return hashlib.sha256(parent + np.asarray(tokens, "<i8").tobytes()).digest()
 
 
 class OutOfBlocks(RuntimeError):
@@ -29,8 +45,8 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self.free_ids: deque[int] = deque(range(num_blocks))
         self.ref_counts: list[int] = [0] * num_blocks
-        self.cached: OrderedDict[int, int] = OrderedDict()  # block -> hash, least recently freed first
-        self.evicted: list[int] = []  # hashes dropped by the last allocate, for the cache's index
+        self.cached: OrderedDict[int, bytes] = OrderedDict()  # block -> digest, least recently freed first
+        self.evicted: list[bytes] = []  # digests dropped by the last allocate, for the cache's index
 
     @property
     def num_free(self) -> int:
@@ -55,6 +71,8 @@ class BlockAllocator:
         return blocks
 
     def incref(self, block: int) -> None:
+        if not 0 <= block < self.num_blocks:
+            raise ValueError(f"block {block} is outside the pool of {self.num_blocks}")
         if self.ref_counts[block] == 0:
             raise ValueError(f"block {block} is not allocated; share only live blocks")
         self.ref_counts[block] += 1
@@ -66,8 +84,8 @@ class BlockAllocator:
         del self.cached[block]
         self.ref_counts[block] = 1
 
-    def free(self, block: int, keep_as: int | None = None) -> None:
-        """Drop one reference; at zero the block is free again, or cached under hash `keep_as`."""
+    def free(self, block: int, keep_as: bytes | None = None) -> None:
+        """Drop one reference; at zero the block is free again, or cached under digest `keep_as`."""
         if not 0 <= block < self.num_blocks:
             raise ValueError(f"block {block} is outside the pool of {self.num_blocks}")
         if self.ref_counts[block] == 0:
@@ -100,8 +118,10 @@ class PagedKVCache:
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
         self.tokens: dict[int, list[int]] = {}
-        self.hash_to_block: dict[int, int] = {}
-        self.block_hash: dict[int, int] = {}
+        self.digests: dict[int, list[bytes]] = {}  # seq -> chain digest of each of its full blocks
+        self.hash_to_block: dict[bytes, int] = {}  # the prefix index: chain digest -> block
+        self.block_hash: dict[int, bytes] = {}  # registered block -> its chain digest
+        self.block_tokens: dict[int, tuple[int, ...]] = {}  # registered block -> its tokens, checked on a hit
         self._next_id = 0
 
     # ---- sequences -----------------------------------------------------------------------
@@ -112,7 +132,7 @@ class PagedKVCache:
 
     def new_sequence(self) -> int:
         seq, self._next_id = self._next_id, self._next_id + 1
-        self.tables[seq], self.lengths[seq], self.tokens[seq] = [], 0, []
+        self.tables[seq], self.lengths[seq], self.tokens[seq], self.digests[seq] = [], 0, [], []
         return seq
 
     def fork(self, seq: int) -> int:
@@ -123,20 +143,46 @@ class PagedKVCache:
             self.allocator.incref(block)
         self.tables[child] = list(self.tables[seq])
         self.lengths[child], self.tokens[child] = self.lengths[seq], list(self.tokens[seq])
+        self.digests[child] = list(self.digests[seq])
         return child
 
     def free(self, seq: int) -> None:
-        """Return the sequence's blocks; shared ones stay with their other owners."""
+        """Return the sequence's blocks, last block first: a chain's tail is then evicted before
+        its head, whose prefix more prompts share. Shared blocks stay with their other owners."""
         self._live(seq)
-        for block in self.tables.pop(seq):
-            keep = self.block_hash.get(block) if self.prefix_sharing else None
-            self.allocator.free(block, keep_as=keep)
-            if self.allocator.ref_counts[block] == 0 and keep is None:
-                self._forget(block)
-        del self.lengths[seq], self.tokens[seq]
+        for block in reversed(self.tables.pop(seq)):
+            self._release(block, keep=self.prefix_sharing)
+        del self.lengths[seq], self.tokens[seq], self.digests[seq]
+
+    def truncate(self, seq: int, length: int) -> None:
+        """Roll `seq` back to its first `length` tokens (speculative decoding drops the rejected
+        draft tokens). Blocks past the new end go back, forgotten by the prefix index unless other
+        sequences hold them; a partly kept block is written again from `length` on, so it leaves
+        the index now if it is this sequence's alone (`reserve` copies it if it is shared)."""
+        self._live(seq)
+        if not 0 <= length <= self.lengths[seq]:
+            raise ValueError(f"cannot truncate sequence {seq} to {length} tokens; "
+                             f"allowed 0..{self.lengths[seq]} (its length)")
+        table, kept = self.tables[seq], -(-length // self.block_size)
+        for block in reversed(table[kept:]):
+            self._release(block, keep=False)
+        del table[kept:]
+        if length % self.block_size and self.allocator.ref_counts[table[-1]] == 1:
+            self._forget(table[-1])
+        self.lengths[seq] = length
+        del self.tokens[seq][length:], self.digests[seq][length // self.block_size:]
+
+    def _release(self, block: int, keep: bool) -> None:
+        """Drop one reference; a block no one holds stays cached if `keep` and it is registered."""
+        digest = self.block_hash.get(block) if keep else None
+        self.allocator.free(block, keep_as=digest)
+        if self.allocator.ref_counts[block] == 0 and digest is None:
+            self._forget(block)
 
     def _forget(self, block: int) -> None:
+        """Take the block out of the prefix index (a no-op for a block that is not in it)."""
         old = self.block_hash.pop(block, None)
+        self.block_tokens.pop(block, None)
         if old is not None and self.hash_to_block.get(old) == block:
             del self.hash_to_block[old]
 
@@ -158,26 +204,40 @@ class PagedKVCache:
             raise ValueError(f"cannot reserve {n_new} tokens")
         needed = self.blocks_needed(seq, n_new)
         blocks = self.allocator.allocate(needed)
-        for old_hash in self.allocator.evicted:
-            self._forget(self.hash_to_block.get(old_hash, -1))
+        for old_digest in self.allocator.evicted:
+            self._forget(self.hash_to_block[old_digest])
         table, length = self.tables[seq], self.lengths[seq]
-        if length % self.block_size and n_new > 0 and self.allocator.ref_counts[table[-1]] > 1:
-            private = blocks.pop()  # copy-on-write
-            self.kv[:, private] = self.kv[:, table[-1]]  # K and V in one copy
-            self.allocator.free(table[-1])
-            table[-1] = private
+        if length % self.block_size and n_new > 0:
+            if self.allocator.ref_counts[table[-1]] > 1:
+                private = blocks.pop()  # copy-on-write
+                self.kv[:, private] = self.kv[:, table[-1]]  # K and V in one copy
+                self.allocator.free(table[-1])
+                table[-1] = private
+            else:  # ours alone, but still indexed if a truncate left it partly kept while shared
+                self._forget(table[-1])
         table.extend(blocks)
 
     def write(self, seq: int, layer: int, k: np.ndarray, v: np.ndarray) -> None:
         """Store keys and values (T, n_kv_heads, head_dim) for the next T positions."""
-        table, start = self.tables[seq], self.lengths[seq]
-        for offset in range(k.shape[0]):
-            block, slot = divmod(start + offset, self.block_size)
-            self.k[layer, table[block], slot] = k[offset]
-            self.v[layer, table[block], slot] = v[offset]
+        start = self.lengths[seq]
+        self.store(layer, self.slots(seq, start, start + k.shape[0]), k, v)
+
+    def slots(self, seq: int, start: int, end: int) -> np.ndarray:
+        """(end - start,) the slots (block * block_size + offset) of positions start .. end - 1."""
+        where = np.arange(start, end)
+        return np.asarray(self.tables[seq], np.int64)[where // self.block_size] * self.block_size + where % self.block_size
+
+    def store(self, layer: int, slots, k, v) -> None:
+        """Write keys and values (T, n_kv_heads, head_dim) at `slots` (T,): one scatter each, numpy
+        arrays or torch tensors alike. The model calls this; a cache that keeps a format of its
+        own (kv.quant) overrides it."""
+        blocks, offsets = slots // self.block_size, slots % self.block_size
+        self.k[layer, blocks, offsets] = k
+        self.v[layer, blocks, offsets] = v
 
     def commit(self, seq: int, tokens) -> None:
-        """The positions just written now hold `tokens`; full blocks get their prefix hash."""
+        """The positions just written now hold `tokens`; blocks they fill get their chain digest,
+        each from its parent's, and enter the prefix index unless it knows that digest already."""
         before = self.lengths[seq]
         self.tokens[seq].extend(int(t) for t in tokens)
         self.lengths[seq] = before + len(tokens)
@@ -185,18 +245,15 @@ class PagedKVCache:
             for index in range(before // self.block_size, self.lengths[seq] // self.block_size):
                 self._register(seq, index)
 
-    def _chain_hash(self, seq: int, index: int) -> int:
-        tokens = self.tokens[seq]
-        running = 0
-        for i in range(index + 1):
-            running = hash((running, tuple(tokens[i * self.block_size:(i + 1) * self.block_size])))
-        return running
-
     def _register(self, seq: int, index: int) -> None:
+        chunk = tuple(self.tokens[seq][index * self.block_size:(index + 1) * self.block_size])
+        digests = self.digests[seq]  # one per full block before this one
+        digest = chain_digest(digests[index - 1] if index else ROOT_DIGEST, chunk)
+        digests.append(digest)
         block = self.tables[seq][index]
-        digest = self._chain_hash(seq, index)
         if block not in self.block_hash and digest not in self.hash_to_block:
             self.block_hash[block], self.hash_to_block[digest] = digest, block
+            self.block_tokens[block] = chunk
 
     def match_prefix(self, seq: int, tokens) -> int:
         """For a new, empty sequence: take the cached full blocks that its first tokens match;
@@ -207,22 +264,90 @@ class PagedKVCache:
         if not self.prefix_sharing:
             return 0
         tokens = [int(t) for t in tokens]
-        running, matched = 0, 0
+        digests, matched = self.digests[seq], 0
         while (matched + 1) * self.block_size <= len(tokens) - 1:  # keep one token to compute logits from
             chunk = tuple(tokens[matched * self.block_size:(matched + 1) * self.block_size])
-            running = hash((running, chunk))
-            block = self.hash_to_block.get(running)
-            if block is None:
+            digest = chain_digest(digests[-1] if digests else ROOT_DIGEST, chunk)
+            block = self.hash_to_block.get(digest)
+            if block is None or self.block_tokens[block] != chunk:  # the tokens too: belt and braces
                 break
             if self.allocator.ref_counts[block] == 0:
                 self.allocator.revive(block)
             else:
                 self.allocator.incref(block)
             self.tables[seq].append(block)
+            digests.append(digest)
             matched += 1
         self.lengths[seq] = matched * self.block_size
         self.tokens[seq] = tokens[: self.lengths[seq]]
         return self.lengths[seq]
+
+    def reserve_all(self, seqs: list[int], n_new: list[int]) -> None:
+        """`reserve` for several sequences, all or nothing: OutOfBlocks, and nothing changes, when
+        the pool cannot cover them together."""
+        if len(seqs) != len(n_new) or len(set(seqs)) != len(seqs):
+            raise ValueError(f"need distinct sequences, one count each; got {seqs} and {n_new}")
+        needed = sum(self.blocks_needed(seq, n) for seq, n in zip(seqs, n_new))
+        if needed > self.allocator.num_free:
+            raise OutOfBlocks(f"need {needed} blocks for {len(seqs)} sequences but only "
+                              f"{self.allocator.num_free} of {self.allocator.num_blocks} are free")
+        for seq, n in zip(seqs, n_new):
+            self.reserve(seq, n)
+
+    def attach_prefix(self, seq: int, blocks, tokens) -> None:
+        """Start an empty sequence with blocks that already hold `tokens`' keys and values (a
+        radix-tree hit): it takes a reference to each, as a prefix match does."""
+        self._live(seq)
+        blocks, tokens = [int(b) for b in blocks], [int(t) for t in tokens]
+        if self.lengths[seq]:
+            raise ValueError(f"sequence {seq} already holds {self.lengths[seq]} tokens; attach a prefix first")
+        if len(blocks) != -(-len(tokens) // self.block_size):
+            raise ValueError(f"{len(tokens)} tokens fill {-(-len(tokens) // self.block_size)} blocks of "
+                             f"{self.block_size}; got {len(blocks)} blocks")
+        dead = [b for b in blocks if not 0 <= b < self.allocator.num_blocks or self.allocator.ref_counts[b] == 0]
+        if dead:
+            raise ValueError(f"block {dead[0]} is not allocated: a prefix must be held (by a tree, say)")
+        self.hold(blocks)
+        self.tables[seq], self.lengths[seq], self.tokens[seq] = list(blocks), len(tokens), tokens
+
+    def hold(self, blocks) -> None:
+        """One more reference to each of `blocks`, for an owner outside the tables (a radix tree)."""
+        for block in blocks:
+            self.allocator.incref(int(block))
+
+    def release(self, blocks) -> None:
+        """Drop a reference `hold` took; a block no one holds is free again."""
+        for block in blocks:
+            self._release(int(block), keep=False)
+
+    @property
+    def num_free(self) -> int:
+        return self.allocator.num_free
+
+    # ---- one step's metadata -------------------------------------------------------------------
+
+    def step_metadata(self, seqs: list[int], n_new: list[int]) -> StepMetadata:
+        """The metadata of a step in which each of `seqs` adds n_new[b] tokens after what it
+        holds (`reserve` must have made room)."""
+        for seq, n in zip(seqs, n_new):
+            self._live(seq)
+            if self.lengths[seq] + n > len(self.tables[seq]) * self.block_size:
+                raise ValueError(f"sequence {seq} holds {self.lengths[seq]} tokens in {len(self.tables[seq])} "
+                                 f"blocks of {self.block_size}: reserve room for {n} more first")
+        return metadata.build([self.tables[seq] for seq in seqs], [self.lengths[seq] for seq in seqs], n_new,
+                              self.block_size)
+
+    def check_step(self, meta: StepMetadata) -> None:
+        """Raise ValueError unless `meta` fits this pool: its arrays agree, and every block its
+        tables use is allocated (the model checks this once per step, before writing)."""
+        if meta.block_size != self.block_size:
+            raise ValueError(f"the metadata's block_size is {meta.block_size}; this pool's is {self.block_size}")
+        meta.check(self.allocator.num_blocks)
+        tables = meta.block_tables
+        used = np.arange(tables.shape[1]) < -(-meta.context_lens[:, None] // self.block_size)
+        counts = np.asarray(self.allocator.ref_counts)[tables[used]]
+        if (counts == 0).any():
+            raise ValueError(f"block {tables[used][counts == 0][0]} is in a block table but not allocated")
 
     # ---- reading -----------------------------------------------------------------------------
 
@@ -250,41 +375,26 @@ class PagedKVCache:
 
 
 class SequenceView:
-    """One sequence of a PagedKVCache, seen through the model's KV-cache interface."""
+    """One sequence of a PagedKVCache, as the model's forward takes a cache: its pool and id.
+    The model writes through `store` and reads the pool through `k`, `v` and the step's tables."""
 
     def __init__(self, cache: PagedKVCache, seq: int):
         self.cache, self.seq = cache, seq
-        self._pending = 0
 
     @property
     def length(self) -> int:
         return self.cache.lengths[self.seq]
 
-    def append(self, layer: int, k, v) -> None:
-        if layer == 0:  # the first layer of a step makes room for all of them, or fails cleanly
-            self.cache.reserve(self.seq, k.shape[0])
-            self._pending = k.shape[0]
-        self.cache.write(self.seq, layer, k, v)
+    @property
+    def k(self):
+        return self.cache.k
 
-    def keys(self, layer: int):
-        return self.cache.gather(self.seq, layer, self.length + self._pending)[0]
+    @property
+    def v(self):
+        return self.cache.v
 
-    def values(self, layer: int):
-        return self.cache.gather(self.seq, layer, self.length + self._pending)[1]
+    def store(self, layer: int, slots, k, v) -> None:
+        self.cache.store(layer, slots, k, v)
 
-    def attend_decode(self, layer: int, q, backend=None):
-        """Attention of this step's one query (1, H, Dh) over the sequence, through its block
-        table: the paged kernel, without gathering the cache first."""
-        from infra_lab.kernels import paged_attention
-
-        table = self.cache.block_table_array([self.seq])
-        return paged_attention.paged_decode(q, self.cache.k[layer], self.cache.v[layer], table,
-                                            np.array([self.length + self._pending]), backend)
-
-    def advance(self, steps: int, tokens=None) -> None:
-        if tokens is None:
-            if self.cache.prefix_sharing:
-                raise ValueError("prefix sharing hashes the tokens: advance(steps, tokens) needs the token ids")
-            tokens = [-1] * steps  # positions only; nothing will be hashed
-        self.cache.commit(self.seq, tokens)
-        self._pending = 0
+    def check_step(self, meta: StepMetadata) -> None:
+        self.cache.check_step(meta)

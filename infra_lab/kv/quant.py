@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from infra_lab.kv.contiguous import ContiguousKVCache
+
 SCALE_BYTES = 2  # scales kept in fp16
 
 
@@ -81,36 +83,22 @@ def roundtrip(x: np.ndarray, fmt: str) -> np.ndarray:
     return dequantize_int(*quantize_int(x, spec.bits, spec.group), spec.group)
 
 
-class QuantizedKVCache:
+class QuantizedKVCache(ContiguousKVCache):
     """A contiguous cache that stores K and V in `fmt` and hands back what that format keeps.
     The arrays here hold the dequantized values (a simulation); `nbytes` counts the real cost."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int, fmt: str):
-        from infra_lab.model.kv_cache import ContiguousKVCache
-
         if fmt not in FORMATS:
             raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+        super().__init__(n_layers, n_kv_heads, head_dim, max_len)
         self.fmt = fmt
-        self._store = ContiguousKVCache(n_layers, n_kv_heads, head_dim, max_len)
-
-    @property
-    def length(self) -> int:
-        return self._store.length
 
     @property
     def nbytes(self) -> float:
         """Bytes K and V would take for the tokens held, scales included."""
-        n_layers, _, n_kv, head_dim = self._store.k.shape
+        n_layers, _, _, _, n_kv, head_dim = self.cache.kv.shape
         return 2 * n_layers * self.length * n_kv * head_dim * FORMATS[self.fmt].bytes_per_value
 
-    def append(self, layer: int, k, v) -> None:
-        self._store.append(layer, roundtrip(k, self.fmt), roundtrip(v, self.fmt))
-
-    def keys(self, layer: int):
-        return self._store.keys(layer)
-
-    def values(self, layer: int):
-        return self._store.values(layer)
-
-    def advance(self, steps: int, tokens=None) -> None:
-        self._store.advance(steps)
+    def store(self, layer: int, slots, k, v) -> None:
+        """Write keys and values (T, n_kv_heads, head_dim) at `slots`, as the format keeps them."""
+        self.cache.store(layer, slots, roundtrip(k, self.fmt), roundtrip(v, self.fmt))

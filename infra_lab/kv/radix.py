@@ -119,8 +119,12 @@ class RadixCache:
             node = node.parent
 
     def unlock(self, node: Node) -> None:
-        if node is self.root or node.lock_refs == 0:
-            raise ValueError("unlock of a node that is not locked")
+        """Release a `lock(node)`. Like `lock`, a no-op on the root (an empty match), so callers
+        need not special-case one; a node that is not locked is an error."""
+        if node is not self.root and node.lock_refs == 0:
+            raise ValueError(f"unlock of a node that is not locked (lock_refs 0, key "
+                             f"{node.key[:8].tolist()}{'...' if len(node.key) > 8 else ''}); "
+                             "unlock only what lock() pinned, once per lock")
         while node is not self.root:
             node.lock_refs -= 1
             if node.lock_refs == 0:
@@ -167,36 +171,3 @@ class RadixCache:
                 stack.extend(node.children.values())
             else:
                 yield node
-
-
-# ---- cache-aware scheduling: the order in which waiting requests are admitted ---------------
-
-def fcfs(requests: list) -> list[int]:
-    """First come, first served: indices in arrival order."""
-    return list(range(len(requests)))
-
-
-def longest_prefix_first(requests: list, cache: RadixCache) -> list[int]:
-    """Requests whose prompts the cache already holds most of go first (ties keep arrival order)."""
-    matched = [cache.peek_prefix(tokens) for tokens in requests]
-    return sorted(range(len(requests)), key=lambda i: -matched[i])
-
-
-def dfs_weight(requests: list) -> list[int]:
-    """SGLang's DFS-weight order: lay the waiting prompts out as a tree and walk it depth first,
-    heaviest subtree (most requests) first, so requests that share a prefix run back to back."""
-    root: dict = {"weight": 0, "ends": [], "children": {}}
-    for index, tokens in enumerate(requests):
-        node = root
-        node["weight"] += 1
-        for token in list(tokens):
-            node = node["children"].setdefault(int(token), {"weight": 0, "ends": [], "children": {}})
-            node["weight"] += 1  # requests passing through this node
-        node["ends"].append(index)
-    order: list[int] = []
-    stack = [root]
-    while stack:
-        node = stack.pop()
-        order.extend(node["ends"])
-        stack.extend(sorted(node["children"].values(), key=lambda child: child["weight"]))  # heaviest on top
-    return order

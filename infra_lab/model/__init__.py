@@ -5,8 +5,6 @@
 """
 from infra_lab.model.config import CONFIGS, ModelConfig
 from infra_lab.model.generate import Generation, generate
-from infra_lab.model.kv_cache import ContiguousKVCache, KVCache
 from infra_lab.model.transformer import Transformer, load
 
-__all__ = ["CONFIGS", "ModelConfig", "Transformer", "load", "generate", "Generation", "KVCache",
-           "ContiguousKVCache"]
+__all__ = ["CONFIGS", "ModelConfig", "Transformer", "load", "generate", "Generation"]

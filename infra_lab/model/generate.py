@@ -87,9 +87,9 @@ def generate(model, prompt, max_new_tokens: int = 64, temperature: float = 1.0, 
 def generate_many(model, prompts: list, max_new_tokens: int, paged=None,
                   backend: backends.Backend | None = None) -> list[list[int]]:
     """Greedy continuations of several prompts decoded together: each prompt is prefilled into
-    its own cache, then every step runs one batched decode over all of them. The caches are
-    sequences of `paged` (a PagedKVCache) when given, else one contiguous cache each. Sequences
-    are freed from `paged` at the end."""
+    its own sequence, then every step runs one batched decode over all of them. The sequences
+    live in `paged` (a PagedKVCache) when given, else in contiguous caches: a pool of one block
+    of the model's context per prompt. Sequences are freed from the pool at the end."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
     backend = backend or backends.current()
@@ -98,9 +98,10 @@ def generate_many(model, prompts: list, max_new_tokens: int, paged=None,
     if not encoded or min(len(t) for t in encoded) < 1 or longest + max_new_tokens > model.config.context:
         raise ValueError(f"need non-empty prompts that leave room for {max_new_tokens} tokens in the "
                          f"context of {model.config.context}; the longest has {longest}")
-    seqs = [paged.new_sequence() for _ in encoded] if paged is not None else []
-    caches = [paged.view(seq) for seq in seqs] if paged is not None else \
-        [model.new_cache(backend=backend) for _ in encoded]
+    if paged is None:
+        paged = model.new_paged_cache(len(encoded), block_size=model.config.context, backend=backend)
+    seqs = [paged.new_sequence() for _ in encoded]
+    caches = [paged.view(seq) for seq in seqs]
     try:
         last = np.array([int(np.argmax(model.forward(tokens, cache, backend)[-1]))
                          for tokens, cache in zip(encoded, caches)])

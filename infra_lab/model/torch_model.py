@@ -10,19 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infra_lab.model.config import ModelConfig
-
-
-def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    d, dh = config.d_model, config.head_dim
-    shapes = {"embed": (config.vocab, d)}
-    for i in range(config.n_layers):
-        shapes |= {f"layers.{i}.attn_norm": (d,), f"layers.{i}.wq": (d, config.n_heads * dh),
-                   f"layers.{i}.wk": (d, config.n_kv_heads * dh), f"layers.{i}.wv": (d, config.n_kv_heads * dh),
-                   f"layers.{i}.wo": (config.n_heads * dh, d), f"layers.{i}.mlp_norm": (d,),
-                   f"layers.{i}.w_gate": (d, config.d_ff), f"layers.{i}.w_up": (d, config.d_ff),
-                   f"layers.{i}.w_down": (config.d_ff, d)}
-    return shapes | {"final_norm": (d,), "lm_head": (d, config.vocab)}
+from infra_lab.model.config import ModelConfig, weight_shapes
 
 
 def rope_tables(config: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,7 +22,8 @@ def rope_tables(config: ModelConfig, positions: torch.Tensor) -> tuple[torch.Ten
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[..., :half], x[..., half:]) by the position's angles; x (..., T, Dh)."""
+    """Rotate pairs (x[..., :half], x[..., half:]) by the position's angles; x (..., Dh), with cos
+    and sin (..., Dh/2) broadcasting against it."""
     half = x.shape[-1] // 2
     first, second = x[..., :half], x[..., half:]
     return torch.cat([first * cos - second * sin, first * sin + second * cos], dim=-1)
@@ -66,34 +55,50 @@ class TorchTransformer(nn.Module):
     def numpy_weights(self) -> dict:
         return {name.replace("__", "."): p.detach().cpu().numpy() for name, p in self.weights.items()}
 
-    def forward(self, tokens: torch.Tensor, cache=None) -> torch.Tensor:
-        """tokens (B, T) -> logits (B, T, vocab). With a cache (B = 1), the tokens continue
-        the cached sequence and their keys and values are appended to it."""
+    def _layer_inputs(self, x: torch.Tensor, i: int, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
+        """Layer i's rotated queries (..., T, H, Dh), rotated keys and values (..., T, K, Dh)."""
         c = self.config
-        batch, steps = tokens.shape
-        start = cache.length if cache is not None else 0
-        cos, sin = rope_tables(c, torch.arange(start, start + steps, device=tokens.device))
+        h = rmsnorm(x, self.w(f"layers.{i}.attn_norm"))
+        q = (h @ self.w(f"layers.{i}.wq")).unflatten(-1, (c.n_heads, c.head_dim))
+        k = (h @ self.w(f"layers.{i}.wk")).unflatten(-1, (c.n_kv_heads, c.head_dim))
+        v = (h @ self.w(f"layers.{i}.wv")).unflatten(-1, (c.n_kv_heads, c.head_dim))
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (T, 1, Dh/2): the same angle for every head
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _finish_layer(self, x: torch.Tensor, attended: torch.Tensor, i: int) -> torch.Tensor:
+        """x plus attention's output projected, plus the SwiGLU MLP: (..., T, d)."""
+        x = x + attended.flatten(-2) @ self.w(f"layers.{i}.wo")
+        h = rmsnorm(x, self.w(f"layers.{i}.mlp_norm"))
+        return x + (F.silu(h @ self.w(f"layers.{i}.w_gate")) * (h @ self.w(f"layers.{i}.w_up"))) @ self.w(f"layers.{i}.w_down")
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Training and scoring: tokens (B, T), whole sequences -> logits (B, T, vocab)."""
+        c = self.config
+        cos, sin = rope_tables(c, torch.arange(tokens.shape[1], device=tokens.device))
         x = self.w("embed")[tokens]  # (B, T, d)
         for i in range(c.n_layers):
-            h = rmsnorm(x, self.w(f"layers.{i}.attn_norm"))
-            q = (h @ self.w(f"layers.{i}.wq")).view(batch, steps, c.n_heads, c.head_dim).transpose(1, 2)  # (B, H, T, Dh)
-            k = (h @ self.w(f"layers.{i}.wk")).view(batch, steps, c.n_kv_heads, c.head_dim).transpose(1, 2)  # (B, K, T, Dh)
-            v = (h @ self.w(f"layers.{i}.wv")).view(batch, steps, c.n_kv_heads, c.head_dim).transpose(1, 2)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            if cache is not None:
-                cache.append(i, k[0].transpose(0, 1), v[0].transpose(0, 1))  # (T, K, Dh)
-                k = cache.keys(i).transpose(0, 1)[None]  # (1, K, start + T, Dh)
-                v = cache.values(i).transpose(0, 1)[None]
+            q, k, v = (t.transpose(1, 2) for t in self._layer_inputs(x, i, cos, sin))  # (B, heads, T, Dh)
             k, v = k.repeat_interleave(c.group, dim=1), v.repeat_interleave(c.group, dim=1)
-            if start == 0:
-                attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            else:  # query t sees keys 0 .. start + t
-                visible = torch.arange(start + steps, device=tokens.device)[None, :] <= \
-                    torch.arange(start, start + steps, device=tokens.device)[:, None]
-                attended = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
-            x = x + attended.transpose(1, 2).reshape(batch, steps, c.d_model) @ self.w(f"layers.{i}.wo")
-            h = rmsnorm(x, self.w(f"layers.{i}.mlp_norm"))
-            x = x + (F.silu(h @ self.w(f"layers.{i}.w_gate")) * (h @ self.w(f"layers.{i}.w_up"))) @ self.w(f"layers.{i}.w_down")
-        if cache is not None:
-            cache.advance(steps, tokens[0].tolist())
+            attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, Dh)
+            x = self._finish_layer(x, attended.transpose(1, 2), i)
+        return rmsnorm(x, self.w("final_norm")) @ self.w("lm_head")
+
+    def step(self, tokens: torch.Tensor, meta, kv) -> torch.Tensor:
+        """Inference: one step over a batch laid out by `meta` (kv.metadata.StepMetadata), tokens
+        (N,) -> logits (N, vocab). Keys and values go into `kv`'s pool at their slots; attention
+        reads the pool through the block tables with the kernels' torch faces (Triton on CUDA)."""
+        from infra_lab.kernels import extend_attention, paged_attention
+
+        c = self.config
+        starts, context, tables, slots = meta.on(tokens.device)
+        cos, sin = rope_tables(c, torch.as_tensor(meta.positions, device=tokens.device))
+        x = self.w("embed")[tokens]  # (N, d)
+        for i in range(c.n_layers):
+            q, k, v = self._layer_inputs(x, i, cos, sin)  # (N, H, Dh), (N, K, Dh), (N, K, Dh)
+            kv.store(i, slots, k, v)
+            if meta.is_decode:
+                attended = paged_attention.paged_decode_torch(q, kv.k[i], kv.v[i], tables, context)
+            else:
+                attended = extend_attention.extend_attention_torch(q, kv.k[i], kv.v[i], tables, starts, context)
+            x = self._finish_layer(x, attended, i)
         return rmsnorm(x, self.w("final_norm")) @ self.w("lm_head")

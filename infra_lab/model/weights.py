@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from infra_lab.model.config import CONFIGS, ModelConfig
+from infra_lab.model.config import CONFIGS, ModelConfig, weight_shapes
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 
@@ -39,8 +39,6 @@ def load(path: Path) -> tuple[dict, ModelConfig, dict]:
         config = ModelConfig(**meta["config"])
     except Exception as error:  # zip, json and key errors all mean the same thing here
         raise ValueError(f"weight file {path} is corrupt ({type(error).__name__}); {rebuild}") from None
-    from infra_lab.model.torch_model import weight_shapes
-
     for name, shape in weight_shapes(config).items():
         if name not in weights or weights[name].shape != shape:
             got = weights[name].shape if name in weights else "missing"

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from infra_lab.kv import radix
 from infra_lab.kv.paged import PagedKVCache
+from infra_lab.kv.radix import RadixCache
+from infra_lab.serving.scheduling import POLICIES, admission_order
 
 VOCAB = 50_000
 
@@ -104,9 +105,6 @@ def mix(weights: dict[str, float], n_requests: int = 600, seed: int = 0) -> list
     return requests
 
 
-POLICIES = ("fcfs", "longest-prefix", "dfs-weight")
-
-
 class PrefixHits:
     """What a prefix cache saved, from `prompt_tokens` and `cached_tokens` (served from it)."""
 
@@ -131,16 +129,6 @@ class Served(PrefixHits):
     matches: list[tuple[int, int]]  # (prompt, cached) tokens per request, as admitted
 
 
-def _order(policy: str, waiting: list[np.ndarray], cache: radix.RadixCache) -> list[int]:
-    if policy == "fcfs":
-        return radix.fcfs(waiting)
-    if policy == "longest-prefix":
-        return radix.longest_prefix_first(waiting, cache)
-    if policy == "dfs-weight":
-        return radix.dfs_weight(waiting)
-    raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
-
-
 def serve(requests: list[np.ndarray], capacity: int, policy: str = "fcfs",
           batch: int = 16) -> Served:
     """Radix cache of `capacity` tokens: each batch is admitted in the policy's order; every
@@ -152,13 +140,13 @@ def serve(requests: list[np.ndarray], capacity: int, policy: str = "fcfs",
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     if batch < 1:
         raise ValueError(f"batch must be >= 1; got {batch}")
-    cache, next_slot = radix.RadixCache(), 0
+    cache, next_slot = RadixCache(), 0
     total = cached = 0
     rates, evictions, matches = [], [], []
     for first in range(0, len(requests), batch):
         waiting = requests[first:first + batch]
         batch_total = batch_cached = batch_evicted = 0
-        for index in _order(policy, waiting, cache):
+        for index in admission_order(policy, waiting, cache):
             tokens = waiting[index]
             matched, _, _ = cache.match_prefix(tokens)
             matches.append((len(tokens), matched))

@@ -1,6 +1,7 @@
 """Serving the book's model through a radix cache: one KV slot per token in a shared pool (as in
-SGLang), with the tree holding the slots of every finished request so the next request that
-starts the same way prefills only what is new.
+SGLang, whose token pool is a paged pool with pages of one token: here a PagedKVCache with
+block_size 1), with the tree holding the slots of every finished request so the next request
+that starts the same way prefills only what is new.
 
 Each request: match its prompt (all but the last token, whose logits are needed) in the tree,
 lock the matched path, take slots for the rest (evicting least-recently-used leaves when the pool
@@ -17,90 +18,8 @@ import numpy as np
 
 from infra_lab import backend as backends
 from infra_lab.kv.radix import RadixCache
-from infra_lab.kv.workloads import PrefixHits
 from infra_lab.model import corpus, tokenizer
-
-
-class OutOfSlots(RuntimeError):
-    """The pool cannot supply the slots asked for; nothing was allocated."""
-
-
-class SlotPool:
-    """KV memory for `n_slots` tokens: K and V each (n_layers, n_slots, n_kv_heads, head_dim),
-    numpy's or a torch factory's (`zeros`), and the ids of the free slots."""
-
-    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_slots: int, zeros=None):
-        if n_slots < 1:
-            raise ValueError(f"the pool needs at least one slot; got n_slots={n_slots}")
-        shape = (n_layers, n_slots, n_kv_heads, head_dim)
-        self.k = zeros(shape) if zeros else np.zeros(shape, np.float32)
-        self.v = zeros(shape) if zeros else np.zeros(shape, np.float32)
-        self.n_slots = n_slots
-        self.free_ids: list[int] = list(range(n_slots - 1, -1, -1))  # a stack: lowest id on top
-        self.in_use = np.zeros(n_slots, bool)
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free_ids)
-
-    def allocate(self, n: int) -> np.ndarray:
-        """n slots, all or nothing."""
-        if n < 0:
-            raise ValueError(f"cannot allocate {n} slots")
-        if n > len(self.free_ids):
-            raise OutOfSlots(f"need {n} slots but only {len(self.free_ids)} of {self.n_slots} are free")
-        slots = np.array(self.free_ids[len(self.free_ids) - n:][::-1], np.int64)
-        del self.free_ids[len(self.free_ids) - n:]
-        self.in_use[slots] = True
-        return slots
-
-    def free(self, slots) -> None:
-        slots = np.asarray(slots, np.int64)
-        bad = slots[(slots < 0) | (slots >= self.n_slots)]
-        if len(bad):
-            raise ValueError(f"slot {bad[0]} is outside the pool of {self.n_slots}")
-        taken = self.in_use[slots]
-        if not taken.all():
-            raise ValueError(f"slot {slots[~taken][0]} is already free")
-        if len(np.unique(slots)) != len(slots):
-            raise ValueError(f"slots {slots.tolist()} name a slot twice")
-        self.in_use[slots] = False
-        self.free_ids.extend(slots[::-1].tolist())
-
-    def index(self, slots: np.ndarray):
-        """slots as an index into k and v (a tensor on the pool's device for torch)."""
-        if isinstance(self.k, np.ndarray):
-            return slots
-        import torch
-
-        return torch.as_tensor(slots, device=self.k.device)
-
-
-class SlotSequence:
-    """One request's KV through the model's cache interface: token t lives in slot slots[t]. The
-    first `length` slots already hold the cached prefix; the rest are the request's own."""
-
-    def __init__(self, pool: SlotPool, slots: np.ndarray, length: int):
-        self.pool, self.slots, self.length = pool, np.asarray(slots, np.int64), length
-        self._pending = 0
-
-    def append(self, layer: int, k, v) -> None:  # k, v: (T, n_kv_heads, head_dim)
-        steps = k.shape[0]
-        if self.length + steps > len(self.slots):
-            raise ValueError(f"{self.length} cached + {steps} new tokens exceed the {len(self.slots)} slots taken")
-        rows = self.pool.index(self.slots[self.length:self.length + steps])
-        self.pool.k[layer, rows], self.pool.v[layer, rows] = k, v
-        self._pending = steps
-
-    def keys(self, layer: int):  # (length + T, n_kv_heads, head_dim)
-        return self.pool.k[layer, self.pool.index(self.slots[:self.length + self._pending])]
-
-    def values(self, layer: int):
-        return self.pool.v[layer, self.pool.index(self.slots[:self.length + self._pending])]
-
-    def advance(self, steps: int, tokens=None) -> None:
-        self.length += steps
-        self._pending = 0
+from infra_lab.serving.workloads import PrefixHits
 
 
 @dataclass(frozen=True)
@@ -133,39 +52,35 @@ def serve_model(model, prompts: list, max_new_tokens: int, n_slots: int, radix: 
         raise ValueError("cache must be an empty RadixCache, with radix=True: a tree's slots belong to the pool "
                          f"of the run that filled it (got radix={radix}, {cache.total_size} tokens cached)")
     backend = backend or backends.current()
-    c = model.config
-    zeros = None
-    if backend.name == "torch":
-        import torch
-
-        zeros = lambda shape: torch.zeros(shape, device=backend.device)  # noqa: E731
-    pool = SlotPool(c.n_layers, c.n_kv_heads, c.head_dim, n_slots, zeros)
+    pool = model.new_paged_cache(n_slots, block_size=1, backend=backend)  # a slot is a block of one token
     tree = (cache if cache is not None else RadixCache()) if radix else None
     if tree is not None:
-        tree.free_slots = pool.free
+        tree.free_slots = pool.release  # the tree holds one reference to each slot it caches
     outputs, cached, evicted, prefill_seconds = [], 0, 0, 0.0
     started = time.perf_counter()
     for tokens in encoded:
         matched, prefix_slots, node = tree.match_prefix(tokens[:-1]) if tree else (0, np.zeros(0, np.int64), None)
         if tree:
             tree.lock(node)
+        seq = pool.new_sequence()
         try:
+            pool.attach_prefix(seq, prefix_slots, tokens[:matched])
             need = len(tokens) - matched + max_new_tokens - 1
             if tree and need > pool.num_free:
                 evicted += tree.evict(need - pool.num_free)
-            seq = SlotSequence(pool, np.concatenate([prefix_slots, pool.allocate(need)]), matched)
+            view = pool.view(seq)
             prefill_started = time.perf_counter()
-            out = [int(np.argmax(model.forward(tokens[matched:], seq, backend)[-1]))]
+            out = [int(np.argmax(model.forward(tokens[matched:], view, backend)[-1]))]
             prefill_seconds += time.perf_counter() - prefill_started
             for _ in range(max_new_tokens - 1):
-                out.append(int(np.argmax(model.forward(out[-1:], seq, backend)[-1])))
-            computed = tokens + out[:-1]  # the last answer token has no KV yet
-            if tree:
-                tree.insert(computed, seq.slots)  # keeps the new slots, hands back duplicates
-            else:
-                pool.free(seq.slots)
+                out.append(int(np.argmax(model.forward(out[-1:], view, backend)[-1])))
+            if tree:  # the last answer token has no KV yet
+                slots = np.asarray(pool.tables[seq], np.int64)
+                pool.hold(slots[matched:])  # the tree's reference to the new slots
+                tree.insert(tokens + out[:-1], slots)  # keeps them, or hands back duplicates
         finally:
-            if tree and node is not tree.root:
+            pool.free(seq)
+            if tree:
                 tree.unlock(node)
         outputs.append(out)
         cached += matched
