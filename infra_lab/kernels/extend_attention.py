@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import numba
 import numpy as np
@@ -143,25 +144,41 @@ def _extend_tiles_for(head_dim: int):
     return extend_tiles
 
 
+@dataclass(frozen=True)
+class ExtendPlan:
+    """The numba kernel's work for one step's metadata: the same for every layer."""
+    tables: np.ndarray  # (B, max_blocks) int64
+    row_seq: np.ndarray  # (N,) each query row's sequence
+    row_pos: np.ndarray  # (N,) each query row's position
+    work: np.ndarray  # (tasks, 3): see tasks()
+
+
+def plan_extend(query_starts, context_lens, block_tables, n_kv: int) -> ExtendPlan:
+    """The tiles, for each of `n_kv` KV heads, and the positions of a step's query rows."""
+    starts, context = np.asarray(query_starts, np.int64), np.asarray(context_lens, np.int64)
+    return ExtendPlan(np.asarray(block_tables, np.int64), np.repeat(np.arange(len(context)), np.diff(starts)),
+                      positions(starts, context), tasks(starts, context, n_kv))
+
+
 def extend_attention_numba(q, k_pool, v_pool, block_tables, query_starts, context_lens, checked: bool = False):
     """CPU, float32: tiles of up to TILE_Q query rows, keys gathered TILE_K at a time through the
     block table into a contiguous buffer and scored through BLAS, folded by the online softmax
     (chapter 02). `checked=True` skips the checks (the model checks a step's metadata once)."""
     if not checked:
         _check(q, k_pool, v_pool, block_tables, query_starts, context_lens)
-    starts = np.asarray(query_starts, np.int64)
-    context = np.asarray(context_lens, np.int64)
+    return extend_planned(q, k_pool, v_pool, plan_extend(query_starts, context_lens, block_tables, k_pool.shape[2]))
+
+
+def extend_planned(q, k_pool, v_pool, plan: ExtendPlan):
+    """extend_attention_numba with the plan made already (once per model step, for all its layers)."""
     n_rows, n_heads, d = q.shape
     n_kv = k_pool.shape[2]
-    row_seq = np.repeat(np.arange(len(context)), np.diff(starts))  # (N,) each row's sequence
-    work = tasks(starts, context, n_kv)
     (k_flat, k_stride), (v_flat, v_stride) = flat_pool(k_pool), flat_pool(v_pool)
     q_scaled = np.ascontiguousarray(q, np.float32) * np.float32(1 / math.sqrt(d))
     out = np.empty((n_rows, n_heads, d), np.float32)
     with single_threaded_blas():
-        _extend_tiles_for(d)(q_scaled, k_flat, v_flat, k_stride, v_stride, k_pool.shape[1], n_kv,
-                             np.asarray(block_tables, np.int64), row_seq, positions(starts, context), work,
-                             min(numba.get_num_threads(), len(work)), out)
+        _extend_tiles_for(d)(q_scaled, k_flat, v_flat, k_stride, v_stride, k_pool.shape[1], n_kv, plan.tables,
+                             plan.row_seq, plan.row_pos, plan.work, min(numba.get_num_threads(), len(plan.work)), out)
     return out
 
 

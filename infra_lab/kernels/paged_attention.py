@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import numba
 import numpy as np
@@ -157,6 +158,24 @@ def _paged_chunks_for(head_dim: int):
     return paged_chunks
 
 
+@dataclass(frozen=True)
+class DecodePlan:
+    """Which thread reads which blocks, for one step's tables: the same for every layer."""
+    blocks: np.ndarray  # (entries,) physical blocks in use, in address order
+    seqs: np.ndarray  # (entries,) the sequence holding each
+    logicals: np.ndarray  # (entries,) its place in that sequence
+    bounds: np.ndarray  # (n_chunks + 1,) thread c reads entries bounds[c]:bounds[c + 1]
+    lengths: np.ndarray  # (batch,) int64
+
+
+def plan_decode(block_tables, lengths, block_size: int) -> DecodePlan:
+    """Equal shares of the blocks in use, in address order (see address_order), one per thread."""
+    lengths = np.asarray(lengths, np.int64)
+    blocks, seqs, logicals = address_order(block_tables, lengths, block_size)
+    bounds = np.linspace(0, len(blocks), numba.get_num_threads() + 1).astype(np.int64)
+    return DecodePlan(blocks, seqs, logicals, bounds, lengths)
+
+
 def paged_decode_numba(q, k_pool, v_pool, block_tables, lengths, checked: bool = False):
     """CPU, float32. The kernel reads the pool in address order (see address_order), not sequence
     by sequence: each thread takes one contiguous stretch of it, and folds each block into the
@@ -167,19 +186,21 @@ def paged_decode_numba(q, k_pool, v_pool, block_tables, lengths, checked: bool =
     `checked=True` skips the checks (the model checks a step's metadata once)."""
     if not checked:
         _check(q, k_pool, v_pool, block_tables, lengths)
-    lengths = np.asarray(lengths, np.int64)
+    return paged_decode_planned(q, k_pool, v_pool, plan_decode(block_tables, lengths, k_pool.shape[1]))
+
+
+def paged_decode_planned(q, k_pool, v_pool, plan: DecodePlan):
+    """paged_decode_numba with the plan made already (once per model step, for all its layers)."""
     batch, n_heads, d = q.shape
     block_size, n_kv = k_pool.shape[1], k_pool.shape[2]
-    blocks, seqs, logicals = address_order(block_tables, lengths, block_size)
-    n_chunks = numba.get_num_threads()
-    bounds = np.linspace(0, len(blocks), n_chunks + 1).astype(np.int64)  # equal shares of the blocks in use
+    n_chunks = len(plan.bounds) - 1
     top = np.empty((n_chunks, batch, n_heads), np.float32)  # -inf where a chunk holds none of a sequence
     total = np.empty((n_chunks, batch, n_heads), np.float32)
     acc = np.empty((n_chunks, batch, n_heads, d), np.float32)
     (k_flat, k_stride), (v_flat, v_stride) = flat_pool(k_pool), flat_pool(v_pool)
     q_scaled = np.ascontiguousarray(q, np.float32) * np.float32(1 / math.sqrt(d))
-    _paged_chunks_for(d)(q_scaled, k_flat, v_flat, k_stride, v_stride, block_size, n_kv, blocks, seqs, logicals,
-                         lengths, bounds, top, total, acc)
+    _paged_chunks_for(d)(q_scaled, k_flat, v_flat, k_stride, v_stride, block_size, n_kv, plan.blocks, plan.seqs,
+                         plan.logicals, plan.lengths, plan.bounds, top, total, acc)
     rescale = np.exp(top - top.max(axis=0))  # (n_chunks, batch, n_heads); 0 where a chunk saw none
     return ((rescale[..., None] * acc).sum(axis=0) / (rescale * total).sum(axis=0)[..., None]).astype(np.float32)
 

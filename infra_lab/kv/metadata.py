@@ -10,6 +10,7 @@ context_lens[b] tokens; its block table says where they live, and slot_mapping[i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -27,7 +28,7 @@ class StepMetadata:
     def n_tokens(self) -> int:
         return len(self.slot_mapping)
 
-    @property
+    @cached_property
     def query_lens(self) -> np.ndarray:
         return np.diff(self.query_starts)
 
@@ -36,7 +37,7 @@ class StepMetadata:
         """Every sequence adds one token: the decode kernel's case."""
         return len(self.slot_mapping) == len(self.context_lens)
 
-    @property
+    @cached_property
     def positions(self) -> np.ndarray:
         """(N,) each new token's position in its sequence."""
         counts = self.query_lens

@@ -21,7 +21,7 @@ from infra_lab.model.config import ModelConfig
 
 
 def rmsnorm(x: np.ndarray, gain: np.ndarray, eps: float = 1e-5) -> np.ndarray:
-    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * gain
+    return x * (1 / np.sqrt(np.einsum("td,td->t", x, x)[:, None] / x.shape[-1] + eps)) * gain
 
 
 def rope_at(config: ModelConfig, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -51,6 +51,13 @@ class Transformer:
         self.w = {name: np.ascontiguousarray(value, np.float32) for name, value in weights.items()}
         self.figures = figures or {}
         self._torch_models: dict = {}
+        # Matrices that read the same input, side by side, so that each is one matmul (vLLM's
+        # QKVParallelLinear and MergedColumnParallelLinear do the same): (d, (H + 2K) Dh), (d, 2 d_ff)
+        self.w_qkv = [np.concatenate([self.w[f"layers.{i}.{n}"] for n in ("wq", "wk", "wv")], axis=1)
+                      for i in range(config.n_layers)]
+        self.w_gate_up = [np.concatenate([self.w[f"layers.{i}.w_gate"], self.w[f"layers.{i}.w_up"]], axis=1)
+                          for i in range(config.n_layers)]
+        self.rope_cos, self.rope_sin = rope_at(config, np.arange(config.context))  # (context, Dh/2) each
 
     @property
     def n_params(self) -> int:
@@ -90,43 +97,48 @@ class Transformer:
         if backend.name == "torch":
             return self._step_torch(tokens, meta, kv, backend.device)
         c, w = self.config, self.w
-        cos, sin = rope_at(c, meta.positions)
+        where = meta.positions
+        cos, sin = self.rope_cos[where], self.rope_sin[where]  # (N, Dh/2)
+        attend = self._attention_for(meta, c.n_kv_heads, backend)
         x = w["embed"][tokens]  # (N, d)
         for i in range(c.n_layers):
             q, k, v = self._qkv(x, i, cos, sin)
             kv.store(i, meta.slot_mapping, k, v)
-            attended = self._attend(q, kv.k[i], kv.v[i], meta, backend)  # (N, H, Dh)
+            attended = attend(q, kv.k[i], kv.v[i])  # (N, H, Dh)
             x = self._mlp(x + attended.reshape(len(tokens), c.d_model) @ w[f"layers.{i}.wo"], i)
         return rmsnorm(x, w["final_norm"]) @ w["lm_head"]
 
     @staticmethod
-    def _attend(q, k_pool, v_pool, meta: StepMetadata, backend: backends.Backend) -> np.ndarray:
-        """Attention of the step's queries (N, H, Dh) over one layer's pools, on numpy or numba."""
-        tables, context = meta.block_tables, meta.context_lens
-        if meta.is_decode:
-            if backend.name == "numba":  # the step's metadata is checked: skip the kernel's checks
-                return paged_attention.paged_decode_numba(q, k_pool, v_pool, tables, context, checked=True)
-            return np.asarray(paged_attention.paged_decode(q, k_pool, v_pool, tables, context, backend), np.float32)
+    def _attention_for(meta: StepMetadata, n_kv_heads: int, backend: backends.Backend):
+        """attend(q (N, H, Dh), k_pool, v_pool) -> (N, H, Dh) for this step, on numpy or numba: the
+        paged decode kernel when every sequence adds one token, else the extend kernel. On numba
+        the step's plan (which thread reads what) is made once for all layers, and the kernels
+        skip the checks that the step's metadata has passed."""
+        tables, context, starts = meta.block_tables, meta.context_lens, meta.query_starts
         if backend.name == "numba":
-            return extend_attention.extend_attention_numba(q, k_pool, v_pool, tables, meta.query_starts, context,
-                                                           checked=True)
-        return np.asarray(extend_attention.extend_attention(q, k_pool, v_pool, tables, meta.query_starts, context,
-                                                            backend), np.float32)
+            plan = (paged_attention.plan_decode(tables, context, meta.block_size) if meta.is_decode
+                    else extend_attention.plan_extend(starts, context, tables, n_kv_heads))
+            kernel = paged_attention.paged_decode_planned if meta.is_decode else extend_attention.extend_planned
+            return lambda q, k_pool, v_pool: kernel(q, k_pool, v_pool, plan)
+        if meta.is_decode:
+            return lambda q, k_pool, v_pool: np.asarray(
+                paged_attention.paged_decode(q, k_pool, v_pool, tables, context, backend), np.float32)
+        return lambda q, k_pool, v_pool: np.asarray(
+            extend_attention.extend_attention(q, k_pool, v_pool, tables, starts, context, backend), np.float32)
 
     def _qkv(self, x: np.ndarray, i: int, cos: np.ndarray, sin: np.ndarray) -> tuple:
-        """Layer i's queries (T, H, Dh), rotated keys (T, K, Dh) and values (T, K, Dh) for x (T, d)."""
-        c, w = self.config, self.w
-        h = rmsnorm(x, w[f"layers.{i}.attn_norm"])
-        q = apply_rope((h @ w[f"layers.{i}.wq"]).reshape(len(x), c.n_heads, c.head_dim), cos, sin)
-        k = apply_rope((h @ w[f"layers.{i}.wk"]).reshape(len(x), c.n_kv_heads, c.head_dim), cos, sin)
-        return q, k, (h @ w[f"layers.{i}.wv"]).reshape(len(x), c.n_kv_heads, c.head_dim)
+        """Layer i's queries (T, H, Dh), rotated keys (T, K, Dh) and values (T, K, Dh) for x (T, d):
+        one matmul for all three, and one rotation for the queries and keys together."""
+        c = self.config
+        qkv = (rmsnorm(x, self.w[f"layers.{i}.attn_norm"]) @ self.w_qkv[i]).reshape(
+            len(x), c.n_heads + 2 * c.n_kv_heads, c.head_dim)
+        rotated = apply_rope(qkv[:, : c.n_heads + c.n_kv_heads], cos, sin)
+        return rotated[:, : c.n_heads], rotated[:, c.n_heads:], qkv[:, c.n_heads + c.n_kv_heads:]
 
     def _mlp(self, x: np.ndarray, i: int) -> np.ndarray:
-        """x plus layer i's SwiGLU MLP of x: (T, d) -> (T, d)."""
-        w = self.w
-        h = rmsnorm(x, w[f"layers.{i}.mlp_norm"])
-        gate = h @ w[f"layers.{i}.w_gate"]
-        return x + (gate / (1 + np.exp(-gate)) * (h @ w[f"layers.{i}.w_up"])) @ w[f"layers.{i}.w_down"]
+        """x plus layer i's SwiGLU MLP of x: (T, d) -> (T, d); gate and up in one matmul."""
+        gate, up = np.split(rmsnorm(x, self.w[f"layers.{i}.mlp_norm"]) @ self.w_gate_up[i], 2, axis=1)
+        return x + (gate / (1 + np.exp(-gate)) * up) @ self.w[f"layers.{i}.w_down"]
 
     def _step_torch(self, tokens: np.ndarray, meta: StepMetadata, kv, device: str) -> np.ndarray:
         import torch

@@ -1,0 +1,231 @@
+"""Issue 14's bars for the engine core, in one run of the real model (the shipped target):
+
+- decode: 32 sequences at 256 tokens of context, one batched step from the paged pool (blocks of
+  16), the same batch from contiguous caches (a pool of one 512-token block per sequence), and
+  the sequences decoded one at a time; tokens/s of each, and the two ratios;
+- chunked prefill: a 480-token prompt in chunks of 64 against one whole prefill;
+- extend attention against its float64 reference over random prefixes, chunks, block sizes and
+  GQA groups (max relative error, float32);
+- greedy tokens from every KV layout and backend here, compared.
+
+The variants are timed in turns within each round, in a new order each round, so that the
+machine's drift falls on all of them; each rate is the median over rounds, and each ratio the
+median of the rounds' own ratios. After each timed decode
+step every sequence is truncated back to 256 tokens, so every step sees the same context.
+On a CUDA GPU it also checks the torch path's greedy tokens against numba's and times decode at
+batch 1 and 64.
+
+    python benchmarks/engine_core.py [--rounds 15] [--json benchmarks/results/engine_core.json]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import time
+
+import numpy as np
+
+from infra_lab import backend, hardware, model
+from infra_lab.kernels import extend_attention
+from infra_lab.kv.radix import RadixCache
+from infra_lab.model import corpus
+from infra_lab.model.generate import generate_many
+from infra_lab.serving import radix_serving
+
+BATCH, CONTEXT, STEPS = 32, 256, 4  # decode: sequences, tokens of context, steps per timing
+PROMPT, CHUNK = 480, 64  # chunked prefill
+
+
+def median_seconds(run, rounds_out: list[float]):
+    started = time.perf_counter()
+    run()
+    rounds_out.append(time.perf_counter() - started)
+
+
+def decode_figures(target, prompts: list[list[int]], rounds: int, chosen) -> dict:
+    """Tokens/s of batched decode from the paged pool, from contiguous caches, and one at a time."""
+    paged = target.new_paged_cache(BATCH * (CONTEXT + STEPS) // 16 + BATCH, 16, backend=chosen)
+    contiguous = target.new_paged_cache(BATCH, target.config.context, backend=chosen)
+    alone = [target.new_cache(backend=chosen) for _ in prompts]
+    views = {}
+    for name, pool in (("paged", paged), ("contiguous", contiguous)):
+        views[name] = [pool.view(pool.new_sequence()) for _ in prompts]
+        for view, prompt in zip(views[name], prompts):
+            target.forward(prompt, view, chosen)
+    for cache, prompt in zip(alone, prompts):
+        target.forward(prompt, cache, chosen)
+    next_tokens = np.array([p[-1] for p in prompts])
+
+    def batched(name):
+        def run():
+            for _ in range(STEPS):
+                target.decode_batch(next_tokens, views[name], chosen)
+        return run
+
+    def one_at_a_time():
+        for _ in range(STEPS):
+            for cache, token in zip(alone, next_tokens):
+                target.forward([token], cache, chosen)
+
+    def rewind():
+        for view in views["paged"] + views["contiguous"] + alone:
+            view.cache.truncate(view.seq, CONTEXT)
+
+    runs = {"paged": batched("paged"), "contiguous": batched("contiguous"), "one_at_a_time": one_at_a_time}
+    for run in runs.values():  # warm up: compile, caches
+        run()
+        rewind()
+    seconds = {name: [] for name in runs}
+    order = np.random.default_rng(0)
+    for _ in range(rounds):
+        for name in order.permutation(list(runs)):  # a new order each round: no variant always goes first
+            median_seconds(runs[name], seconds[name])
+            rewind()
+    tokens_per_s = {name: BATCH * STEPS / statistics.median(times) for name, times in seconds.items()}
+    paired = {peer: statistics.median(p / q for p, q in zip(seconds[peer], seconds["paged"]))
+              for peer in ("contiguous", "one_at_a_time")}  # per-round ratios, taken side by side
+    return {"batch": BATCH, "context_tokens": CONTEXT, "steps_per_timing": STEPS, "tokens_per_s": tokens_per_s,
+            "paged_over_contiguous": paired["contiguous"], "paged_over_one_at_a_time": paired["one_at_a_time"],
+            "seconds_per_round": seconds}
+
+
+def chunked_prefill_figures(target, prompt: list[int], rounds: int, chosen) -> dict:
+    """Seconds to prefill `prompt` whole and in chunks of CHUNK, each into a fresh cache."""
+    def whole():
+        target.forward(prompt, target.new_cache(backend=chosen), chosen)
+
+    def chunked():
+        cache = target.new_cache(backend=chosen)
+        for start in range(0, len(prompt), CHUNK):
+            target.forward(prompt[start:start + CHUNK], cache, chosen)
+
+    for run in (whole, chunked):
+        run()
+    seconds = {"whole": [], "chunked": []}
+    for round_ in range(rounds):
+        for run in (whole, chunked) if round_ % 2 else (chunked, whole):
+            median_seconds(run, seconds[run.__name__])
+    medians = {name: statistics.median(times) for name, times in seconds.items()}
+    ratio = statistics.median(c / w for c, w in zip(seconds["chunked"], seconds["whole"]))
+    return {"prompt_tokens": len(prompt), "chunk_tokens": CHUNK, "median_seconds": medians,
+            "chunked_over_whole": ratio, "seconds_per_round": seconds}
+
+
+def extend_errors(cases: int = 200, seed: int = 0) -> dict:
+    """Max relative error of the numba and torch faces against the float64 reference."""
+    rng = np.random.default_rng(seed)
+    worst = {"numba": 0.0, "torch": 0.0}
+    for _ in range(cases):
+        batch = int(rng.integers(1, 5))
+        query_lens, prefix_lens = rng.integers(1, 150, batch), rng.integers(0, 300, batch)
+        n_kv, group = int(rng.integers(1, 3)), int(rng.choice([1, 2, 4]))
+        d, block_size = int(rng.choice([16, 32, 64])), int(rng.choice([1, 3, 16, 512]))
+        context = prefix_lens + query_lens
+        per_seq = -(-context // block_size)
+        pool = rng.standard_normal((int(per_seq.sum()), 2, block_size, n_kv, d)).astype(np.float32)
+        order = rng.permutation(len(pool))
+        tables = np.full((batch, per_seq.max()), -1, np.int64)
+        for b, first in enumerate(np.concatenate([[0], np.cumsum(per_seq)[:-1]])):
+            tables[b, : per_seq[b]] = order[first:first + per_seq[b]]
+        starts = np.concatenate([[0], np.cumsum(query_lens)])
+        q = rng.standard_normal((starts[-1], n_kv * group, d)).astype(np.float32)
+        args = (q, pool[:, 0], pool[:, 1], tables, starts, context)
+        reference = extend_attention.extend_attention_numpy(*args)
+        for face in worst:
+            got = np.asarray(extend_attention.FACES[face](*args), np.float64)
+            worst[face] = max(worst[face], float(np.abs(got - reference).max() / np.abs(reference).max()))
+    return {"cases": cases, "max_relative_error": worst}
+
+
+def same_tokens(target, prompts: list[bytes], new_tokens: int = 32) -> dict:
+    """Greedy tokens from each layout and backend here, against contiguous caches on numba."""
+    reference = generate_many(target, prompts, new_tokens, backend=backend.resolve("numba"))
+    agree = {}
+    for name in [n for n in ("numba", "torch", "numpy") if n in backend.available()]:
+        chosen = backend.resolve(name, "cpu")
+        for block_size in (None, 1, 16):
+            pool = None if block_size is None else target.new_paged_cache(1200 // block_size + 8, block_size,
+                                                                        backend=chosen)
+            label = f"{name}/{'contiguous' if block_size is None else f'paged {block_size}'}"
+            agree[label] = generate_many(target, prompts, new_tokens, paged=pool, backend=chosen) == reference
+        served = radix_serving.serve_model(target, prompts + prompts[:2], new_tokens, 1200, cache=RadixCache(),
+                                           backend=chosen)
+        agree[f"{name}/radix token pool"] = served.outputs == reference + reference[:2]
+    return agree
+
+
+def gpu_figures(target, prompts: list[list[int]], rounds: int) -> dict:
+    """On CUDA: greedy tokens against numba's, and decode tokens/s at batch 1 and 64."""
+    import torch
+
+    cuda = backend.resolve("torch", "cuda")
+    texts = [bytes(p[:200]) for p in prompts[:8]]
+    reference = generate_many(target, texts, 32, backend=backend.resolve("numba"))
+    pool = target.new_paged_cache(8 * 240 // 16 + 8, 16, backend=cuda)
+    figures = {"device": torch.cuda.get_device_name(0),
+               "greedy_tokens_equal_numba": generate_many(target, texts, 32, paged=pool, backend=cuda) == reference}
+    for batch in (1, 64):
+        pool = target.new_paged_cache(batch * (CONTEXT + STEPS) // 16 + batch, 16, backend=cuda)
+        views = [pool.view(pool.new_sequence()) for _ in range(batch)]
+        for b, view in enumerate(views):
+            target.forward(prompts[b % len(prompts)], view, cuda)
+        tokens = np.array([prompts[b % len(prompts)][-1] for b in range(batch)])
+        times = []
+        for _ in range(rounds + 1):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            for _ in range(STEPS):
+                target.decode_batch(tokens, views, cuda)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - started)
+            for view in views:
+                pool.truncate(view.seq, CONTEXT)
+        figures[f"decode_tokens_per_s_batch_{batch}"] = batch * STEPS / statistics.median(times[1:])
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=15, help="timed rounds per figure (default 15)")
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1; got {args.rounds}")
+    print(backend.describe())
+    target = model.load("target")
+    _, validation = corpus.load()
+    prompts = [validation[i * 1000: i * 1000 + CONTEXT].astype(np.int64).tolist() for i in range(BATCH)]
+    numba_cpu = backend.resolve("numba")
+    figures = {
+        "machine": f"{hardware._cpu_name()}, {backend.threads()} threads",
+        "measured_on": datetime.date.today().isoformat(),
+        "command": "python benchmarks/engine_core.py" + (f" --rounds {args.rounds}" if args.rounds != 15 else ""),
+        "backend": backend.describe(),
+        "decode": decode_figures(target, prompts, args.rounds, numba_cpu),
+        "chunked_prefill": chunked_prefill_figures(target, validation[:PROMPT].astype(np.int64).tolist(),
+                                                   args.rounds, numba_cpu),
+        "extend_attention": extend_errors(),
+        "same_greedy_tokens": same_tokens(target, [bytes(p[:120]) for p in prompts[:4]]),
+    }
+    if "cuda" in backend.available().get("torch", ()):
+        figures["gpu"] = gpu_figures(target, prompts, args.rounds)
+    decode, prefill = figures["decode"], figures["chunked_prefill"]
+    print(f"decode, {BATCH} sequences at {CONTEXT} tokens: " + ", ".join(
+        f"{name} {rate:,.0f} tokens/s" for name, rate in decode["tokens_per_s"].items()))
+    print(f"  paged / contiguous {decode['paged_over_contiguous']:.2f}x (bar >= 1), "
+          f"paged / one at a time {decode['paged_over_one_at_a_time']:.1f}x (bar >= 3)")
+    print(f"prefill of {PROMPT} tokens in chunks of {CHUNK}: {prefill['chunked_over_whole']:.2f}x "
+          "the whole prefill (bar <= 1.3)")
+    print(f"extend attention, max relative error: {figures['extend_attention']['max_relative_error']} (bar 1e-5)")
+    print("same greedy tokens:", all(figures["same_greedy_tokens"].values()), figures["same_greedy_tokens"])
+    if "gpu" in figures:
+        print("gpu:", figures["gpu"])
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(figures, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
