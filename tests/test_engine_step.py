@@ -191,3 +191,18 @@ def test_decode_batch_needs_views_of_one_pool(target):
     caches = [target.new_cache(), target.new_cache()]
     with pytest.raises(ValueError, match="decode_batch needs views of one pool"):
         target.decode_batch([1, 2], caches)
+
+
+def test_a_failed_forward_hands_back_the_blocks_it_reserved(target, monkeypatch):
+    pool = target.new_paged_cache(10, 4)
+    seq = pool.new_sequence()
+    target.forward(list(b"abcde"), pool.view(seq))
+    before = pool_state(pool)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel failed")
+
+    monkeypatch.setattr(target, "step", broken)
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        target.forward(list(b"fghijklmn"), pool.view(seq))
+    assert pool_state(pool)[:3] == before[:3]

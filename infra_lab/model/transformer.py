@@ -9,6 +9,8 @@ Shapes: N or T new tokens, d model width, H query heads, K KV heads, Dh head siz
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 
 from infra_lab import backend as backends
@@ -171,8 +173,9 @@ class Transformer:
                              f"{self.config.context}")
         cache = cache if cache is not None else self.new_cache(len(tokens), backend)
         pool, seq = cache.cache, cache.seq
-        pool.reserve(seq, len(tokens))
-        logits = self.step(tokens, pool.step_metadata([seq], [len(tokens)]), cache, backend)
+        with _rolled_back_on_error(pool, [seq]):
+            pool.reserve(seq, len(tokens))
+            logits = self.step(tokens, pool.step_metadata([seq], [len(tokens)]), cache, backend)
         pool.commit(seq, tokens)
         return logits
 
@@ -191,11 +194,24 @@ class Transformer:
         if full:
             raise ValueError(f"a sequence of {full[0]} tokens is at the context of {self.config.context}")
         seqs = [cache.seq for cache in caches]
-        pool.reserve_all(seqs, [1] * len(seqs))
-        logits = self.step(tokens, pool.step_metadata(seqs, [1] * len(seqs)), pool, backend)
+        with _rolled_back_on_error(pool, seqs):
+            pool.reserve_all(seqs, [1] * len(seqs))
+            logits = self.step(tokens, pool.step_metadata(seqs, [1] * len(seqs)), pool, backend)
         for b, seq in enumerate(seqs):
             pool.commit(seq, tokens[b:b + 1])
         return logits
+
+
+@contextmanager
+def _rolled_back_on_error(pool: PagedKVCache, seqs: list[int]):
+    """If the block fails, hand back the blocks it reserved: the sequences keep what they held."""
+    lengths = [pool.lengths[seq] for seq in seqs]
+    try:
+        yield
+    except Exception:
+        for seq, length in zip(seqs, lengths):
+            pool.truncate(seq, length)
+        raise
 
 
 def _zeros_for(backend: backends.Backend):
