@@ -206,3 +206,13 @@ def test_a_failed_forward_hands_back_the_blocks_it_reserved(target, monkeypatch)
     with pytest.raises(RuntimeError, match="kernel failed"):
         target.forward(list(b"fghijklmn"), pool.view(seq))
     assert pool_state(pool)[:3] == before[:3]
+
+
+def test_a_pool_on_the_wrong_backend_is_named(target):
+    numpy_cache = target.new_cache(backend=backend.resolve("numba"))
+    with pytest.raises(ValueError, match="the KV pool holds numpy arrays, but the torch backend needs torch tensors"):
+        target.forward([1, 2], numpy_cache, backend.resolve("torch", "cpu"))
+    assert numpy_cache.length == 0 and numpy_cache.cache.num_free == 1
+    torch_cache = target.new_cache(backend=backend.resolve("torch", "cpu"))
+    with pytest.raises(ValueError, match="holds torch tensors on cpu, but the numba backend needs numpy arrays"):
+        target.forward([1, 2], torch_cache, backend.resolve("numba"))

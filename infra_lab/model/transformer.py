@@ -96,6 +96,7 @@ class Transformer:
                              f"{self.config.context}")
         kv.check_step(meta)
         backend = backend or backends.current()
+        _check_pool_fits(kv, backend)
         if backend.name == "torch":
             return self._step_torch(tokens, meta, kv, backend.device)
         c, w = self.config, self.w
@@ -200,6 +201,18 @@ class Transformer:
         for b, seq in enumerate(seqs):
             pool.commit(seq, tokens[b:b + 1])
         return logits
+
+
+def _check_pool_fits(kv, backend: backends.Backend) -> None:
+    """The pool must live where the backend computes: numpy arrays for numpy and numba, torch
+    tensors on the backend's device for torch."""
+    device = None if isinstance(kv.k, np.ndarray) else kv.k.device  # numpy arrays have a .device too
+    where = "numpy arrays" if device is None else f"torch tensors on {device}"
+    wanted = "numpy arrays" if backend.name != "torch" else f"torch tensors on {backend.device}"
+    fits = device is not None and device.type == backend.device if backend.name == "torch" else device is None
+    if not fits:
+        raise ValueError(f"the KV pool holds {where}, but the {backend.name} backend needs {wanted}: make the "
+                         "cache with the same backend (new_cache(backend=...), new_paged_cache(..., backend=...))")
 
 
 @contextmanager
