@@ -1,8 +1,9 @@
 """Request streams that share prefixes, and how much of their prefill a prefix cache saves.
 
 Each workload is a list of prompts (token arrays) in arrival order; the generators are seeded
-and their shapes are documented with each function. Lengths are deliberately not multiples of
-16, as real prompts are not: block hashing can only share whole blocks, the radix tree any
+and their shapes are documented with each function. The generators' lengths are chosen not to
+be multiples of 16 (sums of them can be, as one multi-turn history of 320 tokens is), as real
+prompts' are not: block hashing can only share whole blocks, the radix tree any
 prefix. `serve` admits them in batches of `batch` waiting requests, in the order a scheduling
 policy picks, through a radix cache of `capacity` tokens (chapter 04) or chapter 03's paged
 cache with block-hash prefix sharing, and counts prompt tokens served from the cache.
