@@ -25,7 +25,7 @@ def test_first_fit_matches_a_slot_by_slot_model(ops):
 
 def test_shares_add_up_and_paging_wastes_least():
     requests = accounting.synthetic_requests("sharegpt", 120, seed=3)
-    results = {p: accounting.simulate(requests, 20_000, p) for p in accounting.POLICIES}
+    results = {p: accounting.simulate(requests, 20_000, p) for p in accounting.RESERVATION_POLICIES}
     for usage in results.values():
         total = usage.real + usage.reserved_unused + usage.internal + usage.external + usage.free
         assert total == pytest.approx(1.0, abs=1e-9)

@@ -18,7 +18,7 @@ import numpy as np
 # Mean prompt and output lengths (tokens) of the two datasets in the vLLM paper (Kwon et al.,
 # SOSP 2023, Section 6.1 / Figure 11): ShareGPT 161.31 and 337.99, Alpaca 19.31 and 58.45.
 DATASETS = {"sharegpt": (161.31, 337.99), "alpaca": (19.31, 58.45)}
-POLICIES = ("paged", "max", "pow2", "oracle")
+RESERVATION_POLICIES = ("paged", "max", "pow2", "oracle")
 
 
 @dataclass(frozen=True)
@@ -125,8 +125,8 @@ def _account(totals, running, waiting, space, free_blocks, policy, block_size, b
 def simulate(requests: list[Request], budget_tokens: int, policy: str, block_size: int = 16,
              max_len: int = 2048) -> Usage:
     """Serve `requests` (all waiting at the start) with `budget_tokens` KV slots."""
-    if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    if policy not in RESERVATION_POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(RESERVATION_POLICIES)}")
     if block_size < 1 or budget_tokens < max(block_size, 1):
         raise ValueError(f"need block_size >= 1 and a budget of at least one block; got {block_size}, {budget_tokens}")
     too_long = [r for r in requests if r.prompt + r.output > min(max_len, budget_tokens)]
