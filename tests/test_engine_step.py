@@ -216,3 +216,20 @@ def test_a_pool_on_the_wrong_backend_is_named(target):
     torch_cache = target.new_cache(backend=backend.resolve("torch", "cpu"))
     with pytest.raises(ValueError, match="holds torch tensors on cpu, but the numba backend needs numpy arrays"):
         target.forward([1, 2], torch_cache, backend.resolve("numba"))
+
+
+def test_attach_prefix_names_what_it_cannot_take(target):
+    pool = target.new_paged_cache(6, 1)
+    owner = pool.new_sequence()
+    target.forward([5, 6, 7], pool.view(owner))
+    held = pool.tables[owner]
+    seq = pool.new_sequence()
+    with pytest.raises(ValueError, match="3 tokens fill 3 blocks of 1; got 2 blocks"):
+        pool.attach_prefix(seq, held[:2], [5, 6, 7])
+    with pytest.raises(ValueError, match="block 4 is not allocated"):
+        pool.attach_prefix(seq, [held[0], 4], [5, 6])
+    pool.attach_prefix(seq, held, [5, 6, 7])
+    assert pool.lengths[seq] == 3 and all(pool.allocator.ref_counts[b] == 2 for b in held)
+    sharing = target.new_paged_cache(4, 2, prefix_sharing=True)
+    with pytest.raises(ValueError, match="use match_prefix"):
+        sharing.attach_prefix(sharing.new_sequence(), [], [])

@@ -301,6 +301,8 @@ class PagedKVCache:
         blocks, tokens = [int(b) for b in blocks], [int(t) for t in tokens]
         if self.lengths[seq]:
             raise ValueError(f"sequence {seq} already holds {self.lengths[seq]} tokens; attach a prefix first")
+        if self.prefix_sharing:
+            raise ValueError("this pool finds shared prefixes itself (prefix_sharing=True): use match_prefix")
         if len(blocks) != -(-len(tokens) // self.block_size):
             raise ValueError(f"{len(tokens)} tokens fill {-(-len(tokens) // self.block_size)} blocks of "
                              f"{self.block_size}; got {len(blocks)} blocks")
