@@ -183,10 +183,10 @@ def extend_planned(q, k_pool, v_pool, plan: ExtendPlan):
 
 
 def extend_attention_torch(q, k_pool, v_pool, block_tables, query_starts, context_lens):
-    """torch. On a CUDA GPU: extend_attention_triton's kernel,
-    which reads the pool in place through the block tables. Elsewhere: gather each sequence's
-    keys and values, then scaled_dot_product_attention with a causal mask offset by the prefix.
-    numpy in, numpy out (on the backend's device); or tensors in, tensors out."""
+    """torch. On a CUDA GPU: extend_attention_triton's kernel, which reads the pool in place
+    through the block tables. Elsewhere: gather each sequence's keys and values, then
+    scaled_dot_product_attention with a causal mask offset by the prefix. numpy in, numpy out
+    (on the backend's device); or tensors in, tensors out."""
     import torch
 
     as_numpy = isinstance(q, np.ndarray)
