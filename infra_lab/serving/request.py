@@ -1,0 +1,86 @@
+"""A request to the serving engine: its prompt, how to sample its answer, where it stands, and
+the timestamps that latency metrics are computed from (chapter 05).
+
+A request's tokens are its prompt followed by what it has generated; `num_computed` counts those
+whose keys and values sit in the KV pool. A step computes some of the rest: a chunk of the prompt,
+or the one token generated last, and samples the next token when it reaches the end.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"  # not admitted yet, or sent back to wait
+    RUNNING = "running"  # holds KV blocks and is scheduled step by step
+    PREEMPTED = "preempted"  # lost its blocks to others; waits to be run again
+    FINISHED = "finished"  # hit max_tokens or a stop token
+    ABORTED = "aborted"  # cancelled by the caller
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: no cut
+    top_p: float = 1.0
+    seed: int = 0  # each request samples from its own generator: the batch cannot change its tokens
+    max_tokens: int = 16
+    stop_tokens: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 is greedy); got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 keeps every token); got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1]; got {self.top_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1; got {self.max_tokens}")
+
+
+@dataclass
+class Request:
+    request_id: int
+    prompt: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    arrival_s: float = 0.0
+    state: RequestState = RequestState.WAITING
+    output: list[int] = field(default_factory=list)
+    seq: int | None = None  # its sequence in the KV pool while it holds blocks
+    num_computed: int = 0  # tokens whose K and V are in the pool
+    token_times_s: list[float] = field(default_factory=list)  # when each output token came out
+    finish_s: float | None = None
+    rng: np.random.Generator = field(init=False, repr=False)
+
+    def __post_init__(self):
+        if not self.prompt:
+            raise ValueError(f"request {self.request_id} has an empty prompt; it needs at least one token")
+        self.prompt = [int(t) for t in self.prompt]
+        self.rng = np.random.default_rng(self.params.seed)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens the next steps must still compute before the next one can be sampled."""
+        return len(self.prompt) + len(self.output) - self.num_computed
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed < len(self.prompt)
+
+    @property
+    def is_done(self) -> bool:
+        return self.state in (RequestState.FINISHED, RequestState.ABORTED)
+
+    def append(self, token: int, now_s: float) -> None:
+        """Take a sampled token; finish on a stop token or at max_tokens."""
+        self.output.append(int(token))
+        self.token_times_s.append(now_s)
+        if int(token) in self.params.stop_tokens or len(self.output) >= self.params.max_tokens:
+            self.state, self.finish_s = RequestState.FINISHED, now_s
