@@ -23,7 +23,7 @@ from infra_lab import backend as backends
 from infra_lab.kernels.attention import _exp_nonpositive, single_threaded_blas
 from infra_lab.kernels import paged_attention
 from infra_lab.kernels.paged_attention import flat_pool, gather
-from infra_lab.kernels.paged_shapes import check_extend_shapes, check_queries, check_tables
+from infra_lab.kernels.paged_shapes import check_extend_shapes, check_queries, check_tables, positions
 
 TILE_Q = 64  # query rows per task of the numba kernel
 TILE_K = 128  # keys gathered and scored at a time
@@ -34,14 +34,6 @@ def _check(q, k_pool, v_pool, block_tables, query_starts, context_lens) -> None:
                         np.asarray(context_lens))
     check_queries(query_starts, context_lens, q.shape[0])
     check_tables(block_tables, context_lens, k_pool.shape[0], k_pool.shape[1])
-
-
-def positions(query_starts, context_lens) -> np.ndarray:
-    """(N,) the position in its sequence of every query row."""
-    starts, context = np.asarray(query_starts, np.int64), np.asarray(context_lens, np.int64)
-    counts = np.diff(starts)
-    first = np.repeat(context - counts, counts)  # each row's sequence's first new position
-    return first + np.arange(starts[-1]) - np.repeat(starts[:-1], counts)
 
 
 def extend_attention_numpy(q, k_pool, v_pool, block_tables, query_starts, context_lens):

@@ -69,3 +69,12 @@ def check_queries(query_starts, context_lens, rows: int) -> None:
         b = int(np.argmax(context < counts))
         raise ValueError(f"sequence {b} has {counts[b]} queries but context_lens {context[b]}: the "
                          "context counts the new tokens too")
+
+
+def positions(query_starts, context_lens) -> np.ndarray:
+    """(N,) the position in its sequence of every query row: sequence b's rows sit at the last
+    query_starts[b + 1] - query_starts[b] of its context_lens[b] positions."""
+    starts, context = np.asarray(query_starts, np.int64), np.asarray(context_lens, np.int64)
+    counts = np.diff(starts)
+    first = np.repeat(context - counts, counts)  # each row's sequence's first new position
+    return first + np.arange(starts[-1]) - np.repeat(starts[:-1], counts)

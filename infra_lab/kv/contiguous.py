@@ -27,10 +27,3 @@ class ContiguousKVCache(SequenceView):
     def nbytes(self) -> int:
         """Bytes reserved for K and V."""
         return self.cache.bytes_per_block
-
-    def keys(self, layer: int):
-        """(length, n_kv_heads, head_dim): the keys cached so far, as a view."""
-        return self.cache.k[layer, 0, : self.length]
-
-    def values(self, layer: int):
-        return self.cache.v[layer, 0, : self.length]

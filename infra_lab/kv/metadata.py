@@ -14,6 +14,8 @@ from functools import cached_property
 
 import numpy as np
 
+from infra_lab.kernels import paged_shapes
+
 
 @dataclass(frozen=True)
 class StepMetadata:
@@ -40,9 +42,7 @@ class StepMetadata:
     @cached_property
     def positions(self) -> np.ndarray:
         """(N,) each new token's position in its sequence."""
-        counts = self.query_lens
-        first = np.repeat(self.context_lens - counts, counts)
-        return first + np.arange(self.n_tokens) - np.repeat(self.query_starts[:-1], counts)
+        return paged_shapes.positions(self.query_starts, self.context_lens)
 
     @property
     def last_rows(self) -> np.ndarray:
@@ -59,25 +59,17 @@ class StepMetadata:
             raise ValueError(f"need context_lens (B,) with B >= 1, query_starts (B + 1,), block_tables (B, "
                              f"max_blocks) and slot_mapping (N,); got {context.shape}, {starts.shape}, "
                              f"{tables.shape} and {slots.shape}")
-        counts = np.diff(starts)
-        if starts[0] != 0 or (counts < 1).any() or starts[-1] != len(slots):
-            raise ValueError(f"query_starts must rise from 0 by at least 1 per sequence to the {len(slots)} "
-                             f"slots of slot_mapping; got {starts.tolist()}")
-        if (context < counts).any() or (context > tables.shape[1] * self.block_size).any():
-            b = int(np.argmax((context < counts) | (context > tables.shape[1] * self.block_size)))
-            raise ValueError(f"sequence {b}: context_lens {context[b]} must be at least its {counts[b]} new "
-                             f"tokens and at most its table's {tables.shape[1] * self.block_size} slots")
-        used = np.arange(tables.shape[1]) < -(-context[:, None] // self.block_size)
-        outside = used & ((tables < 0) | (tables >= num_blocks))
-        if outside.any():
-            b = int(outside.any(axis=1).argmax())
-            raise ValueError(f"sequence {b}'s block table points outside the pool of {num_blocks} blocks: "
-                             f"{tables[b, used[b]].tolist()}")
+        paged_shapes.check_queries(starts, context, len(slots))
+        if (context > tables.shape[1] * self.block_size).any():
+            b = int(np.argmax(context > tables.shape[1] * self.block_size))
+            raise ValueError(f"sequence {b}: context_lens {context[b]} must be at most its table's "
+                             f"{tables.shape[1] * self.block_size} slots")
+        paged_shapes.check_tables(tables, context, num_blocks, self.block_size)
         if ((slots < 0) | (slots >= num_blocks * self.block_size)).any():
             bad = slots[(slots < 0) | (slots >= num_blocks * self.block_size)][0]
             raise ValueError(f"slot_mapping holds {bad}, outside the pool's {num_blocks * self.block_size} slots")
         where = self.positions
-        owner = np.repeat(np.arange(batch), counts)
+        owner = np.repeat(np.arange(batch), self.query_lens)
         expected = tables[owner, where // self.block_size] * self.block_size + where % self.block_size
         if (expected != slots).any():
             i = int(np.argmax(expected != slots))

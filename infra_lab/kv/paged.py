@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict, deque
+from contextlib import contextmanager
 
 import numpy as np
 
+from infra_lab.kernels.paged_shapes import blocks_in_use
 from infra_lab.kv import metadata
 from infra_lab.kv.metadata import StepMetadata
 
@@ -345,11 +347,23 @@ class PagedKVCache:
         if meta.block_size != self.block_size:
             raise ValueError(f"the metadata's block_size is {meta.block_size}; this pool's is {self.block_size}")
         meta.check(self.allocator.num_blocks)
-        tables = meta.block_tables
-        used = np.arange(tables.shape[1]) < -(-meta.context_lens[:, None] // self.block_size)
-        counts = np.asarray(self.allocator.ref_counts)[tables[used]]
-        if (counts == 0).any():
-            raise ValueError(f"block {tables[used][counts == 0][0]} is in a block table but not allocated")
+        in_use = meta.block_tables[blocks_in_use(meta.block_tables, meta.context_lens, self.block_size)]
+        ref_counts = self.allocator.ref_counts
+        unallocated = [block for block in in_use.tolist() if ref_counts[block] == 0]
+        if unallocated:
+            raise ValueError(f"block {unallocated[0]} is in a block table but not allocated")
+
+    @contextmanager
+    def undo_on_error(self, seqs: list[int]):
+        """If the block inside fails, hand back what it reserved: each of `seqs` keeps the tokens
+        it held when the block began."""
+        lengths = [self.lengths[seq] for seq in seqs]
+        try:
+            yield
+        except Exception:
+            for seq, length in zip(seqs, lengths):
+                self.truncate(seq, length)
+            raise
 
     # ---- reading -----------------------------------------------------------------------------
 
@@ -358,14 +372,6 @@ class PagedKVCache:
         table = list(self.tables[seq][: -(-length // self.block_size)])
         shape = (-1,) + tuple(self.k.shape[3:])
         return self.k[layer, table].reshape(shape)[:length], self.v[layer, table].reshape(shape)[:length]
-
-    def block_table_array(self, seqs: list[int]) -> np.ndarray:
-        """(len(seqs), max blocks) int64, padded with -1."""
-        width = max((len(self.tables[s]) for s in seqs), default=0)
-        out = np.full((len(seqs), max(width, 1)), -1, np.int64)
-        for row, seq in enumerate(seqs):
-            out[row, : len(self.tables[seq])] = self.tables[seq]
-        return out
 
     def view(self, seq: int) -> SequenceView:
         self._live(seq)

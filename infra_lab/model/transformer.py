@@ -9,8 +9,6 @@ Shapes: N or T new tokens, d model width, H query heads, K KV heads, Dh head siz
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import numpy as np
 
 from infra_lab import backend as backends
@@ -32,11 +30,6 @@ def rope_at(config: ModelConfig, positions: np.ndarray) -> tuple[np.ndarray, np.
     inverse = config.rope_theta ** (-np.arange(half, dtype=np.float64) / half)
     angles = np.asarray(positions, np.float64)[:, None] * inverse[None, :]
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-
-
-def rope_tables(config: ModelConfig, start: int, steps: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin, (T, Dh/2), for positions start .. start + T - 1."""
-    return rope_at(config, np.arange(start, start + steps))
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
@@ -174,7 +167,7 @@ class Transformer:
                              f"{self.config.context}")
         cache = cache if cache is not None else self.new_cache(len(tokens), backend)
         pool, seq = cache.cache, cache.seq
-        with _rolled_back_on_error(pool, [seq]):
+        with pool.undo_on_error([seq]):
             pool.reserve(seq, len(tokens))
             logits = self.step(tokens, pool.step_metadata([seq], [len(tokens)]), cache, backend)
         pool.commit(seq, tokens)
@@ -195,7 +188,7 @@ class Transformer:
         if full:
             raise ValueError(f"a sequence of {full[0]} tokens is at the context of {self.config.context}")
         seqs = [cache.seq for cache in caches]
-        with _rolled_back_on_error(pool, seqs):
+        with pool.undo_on_error(seqs):
             pool.reserve_all(seqs, [1] * len(seqs))
             logits = self.step(tokens, pool.step_metadata(seqs, [1] * len(seqs)), pool, backend)
         for b, seq in enumerate(seqs):
@@ -213,18 +206,6 @@ def _check_pool_fits(kv, backend: backends.Backend) -> None:
     if not fits:
         raise ValueError(f"the KV pool holds {where}, but the {backend.name} backend needs {wanted}: make the "
                          "cache with the same backend (new_cache(backend=...), new_paged_cache(..., backend=...))")
-
-
-@contextmanager
-def _rolled_back_on_error(pool: PagedKVCache, seqs: list[int]):
-    """If the block fails, hand back the blocks it reserved: the sequences keep what they held."""
-    lengths = [pool.lengths[seq] for seq in seqs]
-    try:
-        yield
-    except Exception:
-        for seq, length in zip(seqs, lengths):
-            pool.truncate(seq, length)
-        raise
 
 
 def _zeros_for(backend: backends.Backend):

@@ -33,17 +33,15 @@ class ModelRunner:
             request.seq = self.pool.new_sequence()
         seqs = [request.seq for request, _ in batch]
         counts = [n for _, n in batch]
-        lengths = [self.pool.lengths[seq] for seq in seqs]
         try:
-            self.pool.reserve_all(seqs, counts)
-            meta = self.pool.step_metadata(seqs, counts)
-            tokens = np.concatenate([request.tokens[request.num_computed:request.num_computed + n]
-                                     for request, n in batch])
-            logits = self.model.step(tokens, meta, self.pool, self.backend)  # (N, vocab)
+            with self.pool.undo_on_error(seqs):
+                self.pool.reserve_all(seqs, counts)
+                meta = self.pool.step_metadata(seqs, counts)
+                tokens = np.concatenate([request.tokens[request.num_computed:request.num_computed + n]
+                                         for request, n in batch])
+                logits = self.model.step(tokens, meta, self.pool, self.backend)  # (N, vocab)
         except Exception:
-            for seq, length in zip(seqs, lengths):
-                self.pool.truncate(seq, length)
-            for request in fresh:
+            for request in fresh:  # sequences made for this step go too
                 self.pool.free(request.seq)
                 request.seq = None
             raise
