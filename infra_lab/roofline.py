@@ -13,35 +13,8 @@ from dataclasses import dataclass, replace
 
 from infra_lab.hardware import Device
 from infra_lab.model.config import CONFIGS, ModelConfig
-
-BYTES_PER_ELEMENT: dict[str, float] = {
-    "fp64": 8, "fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "int4": 0.5,
-}
-
-
-def bytes_per_element(dtype: str) -> float:
-    if dtype not in BYTES_PER_ELEMENT:
-        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(BYTES_PER_ELEMENT)}")
-    return BYTES_PER_ELEMENT[dtype]
-
-
-def _positive(**sizes: float) -> None:
-    for name, value in sizes.items():
-        if not value > 0:
-            raise ValueError(f"{name} must be > 0; got {value}")
-
-
-@dataclass(frozen=True)
-class Cost:
-    flops: float
-    bytes: float
-
-    @property
-    def intensity(self) -> float:  # FLOP/byte
-        return self.flops / self.bytes
-
-    def __add__(self, other: Cost) -> Cost:
-        return Cost(self.flops + other.flops, self.bytes + other.bytes)
+from infra_lab.model.cost import (  # noqa: F401 (chapter 01 reads them here)
+    BYTES_PER_ELEMENT, Cost, _positive, bytes_per_element, kv_bytes_per_token, step_cost)
 
 
 # ---- the ops ---------------------------------------------------------------------------
@@ -148,37 +121,6 @@ def preset(name: str) -> ModelConfig:
     if name not in PRESETS:
         raise KeyError(f"unknown model {name!r}; presets: {', '.join(PRESETS)}")
     return PRESETS[name]
-
-
-def kv_bytes_per_token(config: ModelConfig, dtype: str) -> float:
-    """K and V for every layer: 2 * n_layers * n_kv_heads * head_dim elements."""
-    return 2 * config.n_layers * config.n_kv_heads * config.head_dim * bytes_per_element(dtype)
-
-
-def step_cost(config: ModelConfig, batch: int, new_tokens: int, context: int,
-              dtype: str) -> Cost:
-    """One forward step: `batch` sequences each add `new_tokens` after `context`
-    cached ones.
-
-    Prefill of a P-token prompt is (batch=1, new_tokens=P, context=0); a decode step
-    is (batch=B, new_tokens=1, context=C). Bytes count the weights read once (for a
-    mixture of experts, only the experts some token routes to), the KV cache read and
-    the new KV written; activations are left out, which flatters only tiny steps.
-    """
-    for label, value, least in (("batch", batch, 1), ("new_tokens", new_tokens, 1),
-                                ("context", context, 0)):
-        if value < least:
-            raise ValueError(f"{label} must be >= {least}; got {value}")
-    element = bytes_per_element(dtype)
-    tokens = batch * new_tokens
-    attended = new_tokens * context + new_tokens * (new_tokens + 1) / 2  # per sequence
-    attention_flops = 4 * config.n_layers * config.d_model * attended * batch  # QK^T, PV
-    flops = 2 * tokens * config.active_params + attention_flops
-    experts = config.experts_touched(tokens) * config.expert_params
-    weights = (config.n_layers * (config.attention_params + config.router_params + experts)
-               + config.vocab * config.d_model)
-    kv_traffic = batch * (context + new_tokens) * kv_bytes_per_token(config, dtype)
-    return Cost(flops=flops, bytes=weights * element + kv_traffic)
 
 
 def critical_batch(config: ModelConfig, device: Device, dtype: str,

@@ -27,17 +27,20 @@ class Request:
     output: int
 
 
-def synthetic_requests(dataset: str, n: int, seed: int = 0, max_len: int = 2048, sigma: float = 1.0) -> list[Request]:
-    """Log-normal prompt and output lengths with the dataset's means (the spread `sigma` is our
-    choice; the paper gives histograms, not parameters), clipped so that prompt + output fits
-    `max_len`."""
+def synthetic_requests(dataset: str, n: int, seed: int = 0, max_len: int = 2048, sigma: float = 1.0,
+                       scale: float = 1.0) -> list[Request]:
+    """Log-normal prompt and output lengths with the dataset's means times `scale` (the spread
+    `sigma` is our choice; the paper gives histograms, not parameters), clipped so that prompt +
+    output fits `max_len`."""
     if dataset not in DATASETS:
         raise ValueError(f"unknown dataset {dataset!r}; choose one of {', '.join(DATASETS)}")
     if n < 1 or max_len < 2:
         raise ValueError(f"need n >= 1 and max_len >= 2; got n={n}, max_len={max_len}")
+    if not 0 < scale < np.inf:
+        raise ValueError(f"scale must be a positive finite number; got {scale}")
     rng = np.random.default_rng(seed)
     requests = []
-    for mean in zip(*[rng.lognormal(np.log(m) - sigma**2 / 2, sigma, n) for m in DATASETS[dataset]]):
+    for mean in zip(*[rng.lognormal(np.log(m * scale) - sigma**2 / 2, sigma, n) for m in DATASETS[dataset]]):
         prompt = int(np.clip(round(mean[0]), 1, max_len - 1))
         output = int(np.clip(round(mean[1]), 1, max_len - prompt))
         requests.append(Request(prompt, output))

@@ -205,6 +205,9 @@ class PagedKVCache:
         if n_new < 0:
             raise ValueError(f"cannot reserve {n_new} tokens")
         needed = self.blocks_needed(seq, n_new)
+        table = self.tables[seq]
+        if needed == 0 and (not table or table[-1] not in self.block_hash):
+            return  # room already (a decode inside its last block): nothing to take or forget
         blocks = self.allocator.allocate(needed)
         for old_digest in self.allocator.evicted:
             self._forget(self.hash_to_block[old_digest])

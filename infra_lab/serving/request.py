@@ -41,7 +41,7 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1; got {self.max_tokens}")
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: equal only to itself, hashed by identity
 class Request:
     request_id: int
     prompt: list[int]
@@ -53,6 +53,10 @@ class Request:
     num_computed: int = 0  # tokens whose K and V are in the pool
     token_times_s: list[float] = field(default_factory=list)  # when each output token came out
     finish_s: float | None = None
+    finish_reason: str | None = None  # "stop", "length", "abort", or why it was rejected
+    admitted_s: float | None = None  # when it first took part in a step
+    preemptions: int = 0
+    cached_tokens: int = 0  # prompt tokens a prefix cache served, summed over its admissions
     rng: np.random.Generator = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -64,6 +68,13 @@ class Request:
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
+
+    def next_tokens(self, n: int) -> list[int]:
+        """The `n` tokens after the computed ones (what a step with n tokens runs)."""
+        start, prompt = self.num_computed, len(self.prompt)
+        if start + n <= prompt:
+            return self.prompt[start:start + n]
+        return (self.prompt[start:] + self.output[max(start - prompt, 0):start + n - prompt])
 
     @property
     def num_uncomputed(self) -> int:
@@ -82,5 +93,10 @@ class Request:
         """Take a sampled token; finish on a stop token or at max_tokens."""
         self.output.append(int(token))
         self.token_times_s.append(now_s)
-        if int(token) in self.params.stop_tokens or len(self.output) >= self.params.max_tokens:
-            self.state, self.finish_s = RequestState.FINISHED, now_s
+        if int(token) in self.params.stop_tokens:
+            self.finish(RequestState.FINISHED, "stop", now_s)
+        elif len(self.output) >= self.params.max_tokens:
+            self.finish(RequestState.FINISHED, "length", now_s)
+
+    def finish(self, state: RequestState, reason: str, now_s: float) -> None:
+        self.state, self.finish_reason, self.finish_s = state, reason, now_s

@@ -9,6 +9,7 @@ its own: the scheduler above it decides who runs, and how much.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -19,9 +20,13 @@ from infra_lab.serving.request import Request, RequestState
 
 
 class ModelRunner:
-    def __init__(self, model, pool: PagedKVCache, backend: backends.Backend | None = None):
+    def __init__(self, model, pool: PagedKVCache, backend: backends.Backend | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
         self.model, self.pool = model, pool
         self.backend = backend or backends.current()
+        self.clock = clock  # seconds; an engine passes its own, a simulator a virtual one
+        self.forward_s = 0.0  # the last step's time in the model's forward alone
+        self.vocab, self.context = model.config.vocab, model.config.context
 
     def run(self, batch: list[tuple[Request, int]], now_s: float | None = None) -> dict[int, int]:
         """Run one step: request r computes its next n uncomputed tokens, for each (r, n) in
@@ -37,25 +42,33 @@ class ModelRunner:
             with self.pool.undo_on_error(seqs):
                 self.pool.reserve_all(seqs, counts)
                 meta = self.pool.step_metadata(seqs, counts)
-                tokens = np.concatenate([request.tokens[request.num_computed:request.num_computed + n]
-                                         for request, n in batch])
-                logits = self.model.step(tokens, meta, self.pool, self.backend)  # (N, vocab)
+                tokens = np.concatenate([request.next_tokens(n) for request, n in batch])
+                started = self.clock()
+                logits = self._forward(tokens, meta)  # (N, vocab)
+                self.forward_s = self.clock() - started
         except Exception:
             for request in fresh:  # sequences made for this step go too
                 self.pool.free(request.seq)
                 request.seq = None
             raise
-        now_s = time.perf_counter() if now_s is None else now_s
+        now_s = self.clock() if now_s is None else now_s
         sampled = {}
         for row, (request, n) in enumerate(batch):
-            self.pool.commit(request.seq, request.tokens[request.num_computed:request.num_computed + n])
+            self.pool.commit(request.seq, request.next_tokens(n))
             request.num_computed += n
             if request.num_uncomputed == 0:  # its last known token ran: the next one comes out
-                p = request.params
-                token = sample(logits[meta.last_rows[row]], p.temperature, p.top_k, p.top_p, request.rng)
+                token = self._sample(logits, int(meta.last_rows[row]), request)
                 request.append(token, now_s)
                 sampled[request.request_id] = token
         return sampled
+
+    def _forward(self, tokens: np.ndarray, meta) -> np.ndarray:
+        return self.model.step(tokens, meta, self.pool, self.backend)
+
+    @staticmethod
+    def _sample(logits: np.ndarray, row: int, request: Request) -> int:
+        p = request.params
+        return sample(logits[row], p.temperature, p.top_k, p.top_p, request.rng)
 
     def release(self, request: Request) -> None:
         """Hand back a request's blocks (it finished, was aborted, or is preempted to recompute)."""

@@ -1,0 +1,206 @@
+"""The scheduler: which requests run in the next step, and how many tokens each computes.
+
+- static: a batch of up to `max_batch` waiting requests runs until its longest member ends; its
+  finished members hold their slots (and blocks) until then. It starts only when its members'
+  prompts and max_tokens fit the pool, so it never preempts.
+- dynamic: static, but a batch waits up to `max_wait_s` to fill, and takes only requests whose
+  prompt + max_tokens fit `max_len` (the engine refuses a longer one at add_request, by name).
+- continuous (iteration-level, Yu et al., "Orca", OSDI 2022): requests join and leave at every
+  step. Each step decodes every running request, then admits waiting ones whose whole prompt fits
+  what is left of `token_budget`.
+- chunked (Agrawal et al., "Sarathi-Serve", OSDI 2024): decodes first, then prefill chunks (of at
+  most `chunk_size` tokens per request) fill the rest of the budget, so a long prompt no longer
+  stalls the decodes in its step.
+
+When the pool runs out of blocks, the continuous and chunked policies preempt. The victim rule
+(vLLM's): the running request admitted last goes first, so the oldest keep their progress. It
+loses its blocks and waits at the head of the queue to be recomputed, or with swap space its
+blocks go to host memory and come back before any new request is admitted.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from infra_lab.serving.block_manager import BlockManager
+from infra_lab.serving.config import EngineConfig
+from infra_lab.serving.request import Request, RequestState
+
+
+@dataclass
+class StepPlan:
+    batch: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens it computes)
+    preempted: list[Request] = field(default_factory=list)
+    swapped_out: list[Request] = field(default_factory=list)
+    swapped_in: list[Request] = field(default_factory=list)
+    held: list[Request] = field(default_factory=list)  # a static batch's finished members
+    budget: int = 0  # tokens still free in this step
+
+    def __bool__(self) -> bool:
+        return bool(self.batch)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, blocks: BlockManager):
+        self.config, self.blocks = config, blocks
+        self.waiting: deque[Request] = deque()  # arrival order; preempted requests rejoin at the head
+        self.running: list[Request] = []  # admission order: the last one is the first victim
+        self.swapped: deque[Request] = deque()  # preempted to host memory, oldest first
+
+    # ---- queues ------------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def remove(self, request: Request) -> None:
+        """Take a request out of whichever queue holds it (it finished or was aborted)."""
+        for queue in (self.waiting, self.running, self.swapped):
+            if request in queue:
+                queue.remove(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def next_decision_s(self, now_s: float) -> float | None:
+        """When a dynamic batch that is waiting to fill will start anyway (None: not waiting)."""
+        if self.config.policy == "dynamic" and not self.running and self.waiting:
+            return self.waiting[0].arrival_s + self.config.max_wait_s
+        return None
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def schedule(self, now_s: float) -> StepPlan:
+        if self.config.batch_at_once:
+            return self._schedule_batch(now_s)
+        return self._schedule_iteration(now_s)
+
+    def finished(self, request: Request) -> None:
+        """A request finished in the last step: its blocks go back, unless a static batch holds them."""
+        if self.config.batch_at_once:
+            if all(r.is_done for r in self.running):  # the batch's longest member is done: all leave
+                for member in self.running:
+                    self.blocks.release(member)
+                self.running.clear()
+            return
+        self.running.remove(request)
+        self.blocks.release(request)
+
+    # ---- static and dynamic ---------------------------------------------------------------------
+
+    def _schedule_batch(self, now_s: float) -> StepPlan:
+        if not self.running:
+            self._form_batch(now_s)
+        plan = StepPlan()
+        for request in self.running:
+            if request.is_done:
+                plan.held.append(request)
+            else:
+                plan.batch.append((request, request.num_uncomputed))
+        return plan
+
+    def _form_batch(self, now_s: float) -> None:
+        config = self.config
+        if not self.waiting:
+            return
+        if config.policy == "dynamic":
+            full = len(self.waiting) >= config.max_batch
+            if not full and now_s < self.waiting[0].arrival_s + config.max_wait_s:
+                return  # wait for more to arrive
+        free = self.blocks.pool.num_free
+        while self.waiting and len(self.running) < config.max_batch:
+            request = self.waiting[0]
+            need = -(-(len(request.prompt) + request.params.max_tokens) // self.blocks.block_size)  # its worst case
+            if need > free:
+                break
+            free -= need
+            self._admit(self.waiting.popleft(), now_s)
+
+    # ---- continuous and chunked -----------------------------------------------------------------
+
+    def _schedule_iteration(self, now_s: float) -> StepPlan:
+        config, plan = self.config, StepPlan(budget=self.config.token_budget)
+        decoding = [r for r in self.running if r.output and r.num_uncomputed == 1]
+        prefilling = [r for r in self.running if r not in decoding]  # chunks of prompts (or of a recompute)
+        for request in decoding + prefilling:  # decodes first, each in admission order
+            if request not in self.running or plan.budget == 0:
+                continue  # preempted while making room for an older one, or no budget left
+            n = min(request.num_uncomputed, config.prefill_chunk, plan.budget)
+            if self._room_for(request, n, plan):
+                self._plan(request, n, plan)
+        if plan.preempted:
+            return plan  # memory is short: admit nothing until the running ones need less
+        while self.swapped and len(self.running) < config.max_batch and plan.budget > 0:
+            request = self.swapped[0]
+            n = min(request.num_uncomputed, config.prefill_chunk, plan.budget)
+            if not self.blocks.make_room(self.blocks.swap_in_blocks(request) + -(-n // self.blocks.block_size) + 1):
+                return plan
+            self.swapped.popleft()
+            self.blocks.swap_in(request)
+            self.running.append(request)
+            request.state = RequestState.RUNNING
+            plan.swapped_in.append(request)
+            self._room_for(request, n, plan)  # made above: the swapped blocks plus the new tokens'
+            self._plan(request, n, plan)
+        if self.swapped:
+            return plan  # swapped requests come back before new ones are admitted
+        for request in self._admission_order():
+            if len(self.running) >= config.max_batch or plan.budget == 0:
+                break
+            if not config.chunked and request.num_uncomputed - self.blocks.cached_prefix(request) > plan.budget:
+                break  # the whole prompt must fit this step's budget; keep the queue's order
+            cached = self.blocks.start(request)  # its cached prefix is locked from here on
+            n = min(request.num_uncomputed, config.prefill_chunk, plan.budget)
+            if not self.blocks.make_room(self.blocks.blocks_needed(request, n)):
+                self.blocks.release(request)  # undo the start; it waits
+                break
+            self.waiting.remove(request)
+            request.cached_tokens += cached
+            self._admit(request, now_s)
+            self._plan(request, n, plan)
+        return plan
+
+    def _plan(self, request: Request, n: int, plan: StepPlan) -> None:
+        """Put `request` in the step with `n` tokens; their blocks are reserved now, so the room
+        that later requests see is what is really left."""
+        self.blocks.pool.reserve(request.seq, n)
+        plan.batch.append((request, n))
+        plan.budget -= n
+
+    def _admission_order(self) -> list[Request]:
+        if self.config.order == "longest-prefix":
+            return sorted(self.waiting, key=lambda r: -self.blocks.cached_prefix(r))  # stable: ties by arrival
+        return list(self.waiting)
+
+    def _admit(self, request: Request, now_s: float) -> None:
+        if request.seq is None:
+            request.cached_tokens += self.blocks.start(request)
+        request.state = RequestState.RUNNING
+        if request.admitted_s is None:
+            request.admitted_s = now_s
+        self.running.append(request)
+
+    def _room_for(self, request: Request, n: int, plan: StepPlan) -> bool:
+        """Free blocks for `request`'s next `n` tokens, preempting the last admitted running
+        requests while the pool is short; False if `request` itself had to go."""
+        while not self.blocks.make_room(self.blocks.blocks_needed(request, n)):
+            victim = self.running[-1]
+            self._preempt(victim, plan)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, victim: Request, plan: StepPlan) -> None:
+        self.running.remove(victim)
+        for entry in [e for e in plan.batch if e[0] is victim]:  # planned already: its tokens wait
+            plan.batch.remove(entry)
+            plan.budget += entry[1]
+        victim.state, victim.preemptions = RequestState.PREEMPTED, victim.preemptions + 1
+        plan.preempted.append(victim)
+        if self.config.preemption == "swap" and self.blocks.can_swap_out(victim):
+            self.blocks.swap_out(victim)
+            self.swapped.append(victim)
+            plan.swapped_out.append(victim)
+        else:  # recompute: its prompt and output so far are prefilled again when it returns
+            self.blocks.release(victim)
+            self.waiting.appendleft(victim)
