@@ -64,7 +64,7 @@ class BlockManager:
 
     def start(self, request: Request) -> int:
         """Give a request a sequence in the pool, after its cached prefix (locked against eviction);
-        return how many tokens the cache served."""
+        return how many tokens the cache served. An admission that fails is undone by `release`."""
         seq = self.pool.new_sequence()
         matched = 0
         if self.tree:
@@ -73,8 +73,7 @@ class BlockManager:
             self.locked[request.request_id] = node
             self.pool.attach_prefix(seq, slots, request.tokens[:matched])
         request.seq, request.num_computed = seq, matched
-        request.cached_tokens += matched
-        return matched
+        return matched  # the scheduler counts it in request.cached_tokens once the request is admitted
 
     def release(self, request: Request) -> None:
         """Hand back a request's blocks (finished, aborted, or preempted to recompute). With the tree,
@@ -92,6 +91,11 @@ class BlockManager:
         self.pool.free(request.seq)
         request.seq, request.num_computed = None, 0
 
+    def unreserve(self, request: Request) -> None:
+        """Hand back blocks reserved for tokens that were planned but will not run (the request was
+        preempted in the step that planned them): its table again covers only what it computed."""
+        self.pool.truncate(request.seq, self.pool.lengths[request.seq])
+
     def can_swap_out(self, request: Request) -> bool:
         return (self.host is not None and request.seq is not None
                 and self.host.blocks_of(request.seq) <= self.host.num_free)
@@ -103,8 +107,11 @@ class BlockManager:
         self.swapped[request.request_id] = self.host.swap_out(request.seq)
         request.seq = None
 
-    def swap_in_blocks(self, request: Request) -> int:
-        return len(self.swapped[request.request_id].host_blocks)
+    def swap_in_blocks(self, request: Request, n_new: int) -> int:
+        """Blocks a swapped request takes to come back and compute its next `n_new` tokens: its
+        swapped blocks, and any more that those tokens spill into."""
+        swapped = self.swapped[request.request_id]
+        return max(len(swapped.host_blocks), -(-(len(swapped.tokens) + n_new) // self.block_size))
 
     def swap_in(self, request: Request) -> None:
         swapped = self.swapped[request.request_id]

@@ -57,6 +57,8 @@ class Scheduler:
         for queue in (self.waiting, self.running, self.swapped):
             if request in queue:
                 queue.remove(request)
+        if self.config.batch_at_once:  # an aborted batch's last unfinished member ends the batch
+            self._end_batch_if_done()
 
     @property
     def has_work(self) -> bool:
@@ -78,15 +80,19 @@ class Scheduler:
     def finished(self, request: Request) -> None:
         """A request finished in the last step: its blocks go back, unless a static batch holds them."""
         if self.config.batch_at_once:
-            if all(r.is_done for r in self.running):  # the batch's longest member is done: all leave
-                for member in self.running:
-                    self.blocks.release(member)
-                self.running.clear()
+            self._end_batch_if_done()
             return
         self.running.remove(request)
         self.blocks.release(request)
 
     # ---- static and dynamic ---------------------------------------------------------------------
+
+    def _end_batch_if_done(self) -> None:
+        """Once every member of the batch is done, all leave together and hand back their blocks."""
+        if all(r.is_done for r in self.running):
+            for member in self.running:
+                self.blocks.release(member)
+            self.running.clear()
 
     def _schedule_batch(self, now_s: float) -> StepPlan:
         if not self.running:
@@ -133,7 +139,7 @@ class Scheduler:
         while self.swapped and len(self.running) < config.max_batch and plan.budget > 0:
             request = self.swapped[0]
             n = min(request.num_uncomputed, config.prefill_chunk, plan.budget)
-            if not self.blocks.make_room(self.blocks.swap_in_blocks(request) + -(-n // self.blocks.block_size) + 1):
+            if not self.blocks.make_room(self.blocks.swap_in_blocks(request, n)):
                 return plan
             self.swapped.popleft()
             self.blocks.swap_in(request)
@@ -195,6 +201,7 @@ class Scheduler:
         for entry in [e for e in plan.batch if e[0] is victim]:  # planned already: its tokens wait
             plan.batch.remove(entry)
             plan.budget += entry[1]
+            self.blocks.unreserve(victim)  # and the blocks _plan reserved for them go back
         victim.state, victim.preemptions = RequestState.PREEMPTED, victim.preemptions + 1
         plan.preempted.append(victim)
         if self.config.preemption == "swap" and self.blocks.can_swap_out(victim):

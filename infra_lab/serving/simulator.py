@@ -53,18 +53,16 @@ class StepTimeModel:
 
     def fit(self, samples: list[tuple[list[tuple[int, int]], float]]) -> StepTimeModel:
         """This model with step_s, sequence_s and efficiency fitted by non-negative least squares
-        (on relative error, so short and long steps weigh alike) to measured
-        (sequences, seconds) pairs."""
+        to measured (sequences, seconds) pairs."""
         if len(samples) < 3:
             raise ValueError(f"fitting three constants needs at least 3 timed steps; got {len(samples)}")
         features = np.array([[1.0, len(seqs), self.roof_s(seqs)] for seqs, _ in samples])  # (S, 3)
         seconds = np.array([s for _, s in samples])
         if not (seconds > 0).all():
             raise ValueError("every timed step needs a positive time")
-        weighted = features / seconds[:, None]
         from scipy.optimize import nnls
 
-        (step_s, sequence_s, inverse_efficiency), _ = nnls(weighted, np.ones(len(samples)))
+        (step_s, sequence_s, inverse_efficiency), _ = nnls(features, seconds)
         if inverse_efficiency <= 0:
             raise ValueError("the fit gave the roofline term no weight: time steps of more varied sizes")
         return StepTimeModel(self.config, self.peak_flops, self.bandwidth, self.dtype, float(step_s),
