@@ -11,6 +11,9 @@ from infra_lab.grading import grade, notebooks
 pytestmark = pytest.mark.grader
 EXERCISES = ["ch00.decode_intensity", "ch00.ttft_tpot", "ch00.idle_fraction"]
 FAST = grade.Limits(submission_timeout_s=60, cell_timeout_s=3)
+# Whole chapters: a setup cell imports numba and torch (seconds on a busy 2-core machine), and
+# chapter 05's last check serves the real model; the hang and flood tests keep FAST's limits.
+WHOLE_CHAPTER = grade.Limits(submission_timeout_s=120, cell_timeout_s=30)
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +183,7 @@ def test_every_chapter_grades_solutions_full_and_fresh_exercises_zero(paths, cha
     assignment = notebooks.read(exercises_dir / chapter)
     names = list(notebooks.exercises(assignment))
     assert len(names) >= 2
-    full = scores(grade.grade_one(assignment, solutions_dir / chapter, FAST))
+    full = scores(grade.grade_one(assignment, solutions_dir / chapter, WHOLE_CHAPTER))
     assert full == {name: ("ok", 24, 1.0) for name in names}
-    zero = scores(grade.grade_one(assignment, exercises_dir / chapter, FAST))
+    zero = scores(grade.grade_one(assignment, exercises_dir / chapter, WHOLE_CHAPTER))
     assert zero == {name: ("ok", 0, 0.0) for name in names}

@@ -126,10 +126,11 @@ class Scheduler:
 
     def _schedule_iteration(self, now_s: float) -> StepPlan:
         config, plan = self.config, StepPlan(budget=self.config.token_budget)
-        decoding = [r for r in self.running if r.output and r.num_uncomputed == 1]
-        prefilling = [r for r in self.running if r not in decoding]  # chunks of prompts (or of a recompute)
+        is_decode = [bool(r.output) and r.num_uncomputed == 1 for r in self.running]
+        decoding = [r for r, d in zip(self.running, is_decode) if d]
+        prefilling = [r for r, d in zip(self.running, is_decode) if not d]  # prompt chunks (or a recompute's)
         for request in decoding + prefilling:  # decodes first, each in admission order
-            if request not in self.running or plan.budget == 0:
+            if request.state is not RequestState.RUNNING or plan.budget == 0:
                 continue  # preempted while making room for an older one, or no budget left
             n = min(request.num_uncomputed, config.prefill_chunk, plan.budget)
             if self._room_for(request, n, plan):
