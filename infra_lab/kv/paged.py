@@ -292,12 +292,13 @@ class PagedKVCache:
         the pool cannot cover them together."""
         if len(seqs) != len(n_new) or len(set(seqs)) != len(seqs):
             raise ValueError(f"need distinct sequences, one count each; got {seqs} and {n_new}")
-        needed = sum(self.blocks_needed(seq, n) for seq, n in zip(seqs, n_new))
-        if needed > self.allocator.num_free:
-            raise OutOfBlocks(f"need {needed} blocks for {len(seqs)} sequences but only "
+        needs = [self.blocks_needed(seq, n) for seq, n in zip(seqs, n_new)]
+        if sum(needs) > self.allocator.num_free:
+            raise OutOfBlocks(f"need {sum(needs)} blocks for {len(seqs)} sequences but only "
                               f"{self.allocator.num_free} of {self.allocator.num_blocks} are free")
-        for seq, n in zip(seqs, n_new):
-            self.reserve(seq, n)
+        for seq, n, need in zip(seqs, n_new, needs):
+            if need or self.block_hash:  # a sequence with room already needs nothing (the engine's decodes)
+                self.reserve(seq, n)
 
     def attach_prefix(self, seq: int, blocks, tokens) -> None:
         """Start an empty sequence with blocks that already hold `tokens`' keys and values (a

@@ -42,7 +42,8 @@ class ModelRunner:
             with self.pool.undo_on_error(seqs):
                 self.pool.reserve_all(seqs, counts)
                 meta = self.pool.step_metadata(seqs, counts)
-                tokens = np.concatenate([request.next_tokens(n) for request, n in batch])
+                chunks = [request.next_tokens(n) for request, n in batch]  # what each computes now
+                tokens = np.array([t for chunk in chunks for t in chunk], np.int64)  # (N,)
                 started = self.clock()
                 logits = self._forward(tokens, meta)  # (N, vocab)
                 self.forward_s = self.clock() - started
@@ -52,18 +53,24 @@ class ModelRunner:
                 request.seq = None
             raise
         now_s = self.clock() if now_s is None else now_s
-        sampled = {}
-        for row, (request, n) in enumerate(batch):
-            self.pool.commit(request.seq, request.next_tokens(n))
+        sampled, last_rows = {}, meta.last_rows  # (B,) each request's last row of logits
+        greedy = self._greedy(logits, last_rows)  # (B,) argmax of each last row, in one call
+        for row, ((request, n), chunk) in enumerate(zip(batch, chunks)):
+            self.pool.commit(request.seq, chunk)
             request.num_computed += n
             if request.num_uncomputed == 0:  # its last known token ran: the next one comes out
-                token = self._sample(logits, int(meta.last_rows[row]), request)
+                token = (int(greedy[row]) if request.params.temperature == 0
+                         else self._sample(logits, int(last_rows[row]), request))
                 request.append(token, now_s)
                 sampled[request.request_id] = token
         return sampled
 
     def _forward(self, tokens: np.ndarray, meta) -> np.ndarray:
         return self.model.step(tokens, meta, self.pool, self.backend)
+
+    @staticmethod
+    def _greedy(logits: np.ndarray, last_rows: np.ndarray) -> np.ndarray:
+        return logits[last_rows].argmax(axis=1)  # what sample() returns at temperature 0
 
     @staticmethod
     def _sample(logits: np.ndarray, row: int, request: Request) -> int:

@@ -85,6 +85,10 @@ class SimulatedRunner(ModelRunner):
         return None
 
     @staticmethod
+    def _greedy(logits, last_rows: np.ndarray) -> np.ndarray:
+        return np.zeros(len(last_rows), np.int64)
+
+    @staticmethod
     def _sample(logits, row: int, request: Request) -> int:
         return 0
 
@@ -119,7 +123,8 @@ CALIBRATION_STEPS = (  # (sequences, tokens each, context before): decodes, pref
 def time_steps(model, backend, steps=CALIBRATION_STEPS, repeats: int = 5) -> list[tuple[list[tuple[int, int]], float]]:
     """Time the real engine's runner on steps of the given shapes, each step a list of (new tokens,
     context) per sequence: the best of `repeats`, through ModelRunner.run (metadata, forward,
-    sampling), as the engine runs them. Returns (sequences as (context, new), seconds) pairs."""
+    sampling), as the engine runs them. Each shape's contexts are prefilled once, untimed, and
+    every repeat runs on forks of them. Returns (sequences as (context, new), seconds) pairs."""
     import time
 
     from infra_lab.serving.request import RequestState, SamplingParams
@@ -127,21 +132,24 @@ def time_steps(model, backend, steps=CALIBRATION_STEPS, repeats: int = 5) -> lis
     samples = []
     for shape in steps:
         blocks = sum(-(-(context + new + 1) // 16) for new, context in shape)
-        pool = model.new_paged_cache(blocks + 8, 16, backend=backend)
-        runner = ModelRunner(model, pool, backend)
+        runner = ModelRunner(model, model.new_paged_cache(2 * blocks + 8, 16, backend=backend), backend)
+        parents = [Request(i, [int(t) for t in np.arange(context + new) % 200 + 32], SamplingParams(max_tokens=2),
+                           state=RequestState.RUNNING) for i, (new, context) in enumerate(shape)]
+        filled = [(parent, context) for parent, (_, context) in zip(parents, shape) if context]
+        if filled:
+            runner.run(filled)  # the contexts, in one untimed step
         best = float("inf")
         for _ in range(repeats):
             batch = []
-            for i, (new, context) in enumerate(shape):
-                request = Request(i, [int(t) for t in np.arange(context + new) % 200 + 32],
-                                  SamplingParams(max_tokens=2), state=RequestState.RUNNING)
-                if context:
-                    runner.run([(request, context)])  # fill its cache first; not timed
-                batch.append((request, new))
+            for parent, (new, context) in zip(parents, shape):
+                child = Request(parent.request_id, parent.prompt, parent.params, state=RequestState.RUNNING)
+                if parent.seq is not None:  # shares the parent's blocks; its first write copies the last one
+                    child.seq, child.num_computed = runner.pool.fork(parent.seq), context
+                batch.append((child, new))
             started = time.perf_counter()
             runner.run(batch)
             best = min(best, time.perf_counter() - started)
-            for request, _ in batch:
-                runner.release(request)
+            for child, _ in batch:
+                runner.release(child)
         samples.append(([(context, new) for new, context in shape], best))
     return samples
