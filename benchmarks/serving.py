@@ -693,7 +693,8 @@ def main() -> None:
             earlier = json.loads(out.read_text())
             kept = {name: s for name, s in earlier.get("sections", {}).items() if name not in sections}
             figures["sections"] = {name: (sections | kept)[name] for name in SECTIONS if name in sections | kept}
-            figures["kept_from_earlier"] = {name: earlier.get("command") for name in kept}
+            origin = earlier.get("kept_from_earlier", {})  # a section kept twice names the run that measured it
+            figures["kept_from_earlier"] = {name: origin.get(name) or earlier.get("command") for name in kept}
         figures["bars_passed"] = {name: s.get("passed") for name, s in figures["sections"].items()}
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(figures, indent=1) + "\n")
