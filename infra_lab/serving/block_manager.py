@@ -50,8 +50,8 @@ class BlockManager:
         its cached prefix)."""
         if request.seq is not None:
             return self.pool.blocks_needed(request.seq, n_new)
-        return -(-(self.cached_prefix(request) + n_new) // self.block_size) - self.cached_prefix(request) // (
-            self.block_size)
+        cached = self.cached_prefix(request)  # whole blocks it will share (one-token blocks with the tree)
+        return -(-(cached + n_new) // self.block_size) - cached // self.block_size
 
     def make_room(self, n_blocks: int) -> bool:
         """Evict cached prefixes until `n_blocks` are free; False (evicting nothing) if they cannot be."""
