@@ -25,11 +25,10 @@ class Generation:
         return len(self.new_tokens) / self.seconds if self.seconds > 0 else float("inf")
 
 
-def sample(logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng: np.random.Generator) -> int:
-    """One token from (vocab,) logits: greedy at temperature 0, else softmax(logits / T) cut to
-    the top_k most likely (0: no cut) and then to the smallest set with mass >= top_p."""
-    if temperature == 0:
-        return int(np.argmax(logits))
+def nucleus(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """The tokens sampling may pick from (vocab,) logits at temperature > 0, most likely first,
+    with their probabilities: softmax(logits / T) cut to the top_k most likely (0: no cut) and
+    then to the smallest set with mass >= top_p, renormalized."""
     scaled = logits.astype(np.float64) / temperature
     probabilities = np.exp(scaled - scaled.max())
     probabilities /= probabilities.sum()
@@ -38,8 +37,26 @@ def sample(logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng
     cumulative = np.cumsum(probabilities[order[:keep]])
     keep = min(keep, int(np.searchsorted(cumulative, top_p * (1 - 1e-12))) + 1)  # nucleus
     chosen = order[:keep]
-    weights = probabilities[chosen] / probabilities[chosen].sum()
-    return int(chosen[rng.choice(keep, p=weights)])
+    return chosen, probabilities[chosen] / probabilities[chosen].sum()
+
+
+def distribution(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
+    """(vocab,) the probabilities `sample` draws from: one-hot on the argmax at temperature 0."""
+    out = np.zeros(len(logits), np.float64)
+    if temperature == 0:
+        out[int(np.argmax(logits))] = 1.0
+    else:
+        chosen, weights = nucleus(logits, temperature, top_k, top_p)
+        out[chosen] = weights
+    return out
+
+
+def sample(logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng: np.random.Generator) -> int:
+    """One token from (vocab,) logits: greedy at temperature 0, else drawn from `nucleus`."""
+    if temperature == 0:
+        return int(np.argmax(logits))
+    chosen, weights = nucleus(logits, temperature, top_k, top_p)
+    return int(chosen[rng.choice(len(chosen), p=weights)])
 
 
 def generate(model, prompt, max_new_tokens: int = 64, temperature: float = 1.0, top_k: int = 0,

@@ -2,7 +2,8 @@
 batch, token budget, chunk size, preemption), checked once, with errors that name the setting.
 
 The names follow vLLM's where there is one: `max_batch` is its max_num_seqs, `token_budget` its
-max_num_batched_tokens, `chunk_size` its long_prefill_token_threshold.
+max_num_batched_tokens, `chunk_size` its long_prefill_token_threshold, `num_speculative_tokens`
+its own.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ class EngineConfig:
     max_len: int | None = None  # dynamic batching: longest prompt + max_tokens a batch takes
     max_wait_s: float = 0.0  # dynamic batching: how long a partial batch waits to fill up
     max_waiting: int | None = None  # requests allowed to wait; more are rejected (None: no limit)
+    num_speculative_tokens: int = 0  # γ: tokens drafted per decode and verified in its step (chapter 07)
 
     def __post_init__(self):
         def one_of(name, value, allowed):
@@ -64,6 +66,12 @@ class EngineConfig:
             raise ValueError(f"dynamic batching needs max_len >= 2 (prompt + max_tokens); got {self.max_len}")
         if self.max_wait_s < 0:
             raise ValueError(f"max_wait_s must be >= 0; got {self.max_wait_s}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0 (0: no speculation); got "
+                             f"{self.num_speculative_tokens}")
+        if self.num_speculative_tokens and self.batch_at_once:
+            raise ValueError(f"speculative decoding works with the continuous and chunked policies; got "
+                             f"{self.policy!r}")
         if self.max_waiting is not None and self.max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1 or None; got {self.max_waiting}")
 

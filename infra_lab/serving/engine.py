@@ -19,9 +19,12 @@ from infra_lab import backend as backends
 from infra_lab.serving.block_manager import BlockManager
 from infra_lab.serving.clock import WallClock
 from infra_lab.serving.config import EngineConfig
+from infra_lab.serving.drafters import Drafter
 from infra_lab.serving.request import Request, RequestState, SamplingParams
 from infra_lab.serving.runner import ModelRunner
 from infra_lab.serving.scheduler import Scheduler
+from infra_lab.serving.speculative import check_drafter
+from infra_lab.serving.speculative_runner import SpeculativeRunner
 from infra_lab.serving.steplog import StepRecord, Work
 
 
@@ -35,18 +38,28 @@ class StepOutput:
 
 class Engine:
     def __init__(self, model=None, config: EngineConfig | None = None, backend: backends.Backend | None = None,
-                 *, runner=None, clock=None, scheduler_class: type[Scheduler] = Scheduler):
+                 *, runner=None, clock=None, scheduler_class: type[Scheduler] = Scheduler,
+                 drafter: Drafter | None = None):
         """The engine over `model` (a Transformer) on `backend`; a simulator passes its own
         `runner` (with its pool) and `clock` instead of a model. `scheduler_class` may be a
-        subclass of Scheduler with a policy of one's own (chapter 05's last exercise)."""
+        subclass of Scheduler with a policy of one's own (chapter 05's last exercise). With
+        config.num_speculative_tokens = γ > 0, `drafter` proposes γ tokens per decode (chapter 07)."""
         self.config = config or EngineConfig()
         self.clock = clock or WallClock()
+        gamma = self.config.num_speculative_tokens
+        if (drafter is None) != (gamma == 0):
+            raise ValueError(f"speculative decoding needs both a drafter and num_speculative_tokens >= 1; got "
+                             f"drafter={type(drafter).__name__ if drafter else None}, num_speculative_tokens={gamma}")
         if runner is None:
             if model is None:
                 raise ValueError("an engine needs a model, or a runner (the simulator's)")
             backend = backend or backends.current()
             pool = model.new_paged_cache(self.config.num_blocks, self.config.block_size, backend=backend)
-            runner = ModelRunner(model, pool, backend, clock=self.clock)
+            if drafter is not None:
+                check_drafter(drafter, model)
+                runner = SpeculativeRunner(model, pool, backend, self.clock, drafter, gamma)
+            else:
+                runner = ModelRunner(model, pool, backend, clock=self.clock)
         self.runner = runner
         self.blocks = BlockManager(runner.pool, radix=self.config.prefix_cache == "radix",
                                    host_blocks=self.config.host_blocks)
@@ -140,12 +153,14 @@ class Engine:
             return []
         work = tuple(Work(r.request_id, "decode" if r.output and r.num_uncomputed == 1 else "prefill", n)
                      for r, n in plan.batch)
-        sampled = self.runner.run(plan.batch)
+        produced = self.runner.run(plan.batch)
         outputs, finished = [], []
         for request, _ in plan.batch:
-            if request.request_id in sampled:
-                outputs.append(StepOutput(request.request_id, sampled[request.request_id], request.is_done,
-                                          request.finish_reason))
+            if request.request_id in produced:
+                tokens = produced[request.request_id]  # one, or several with speculative decoding
+                outputs.extend(StepOutput(request.request_id, token, request.is_done and i == len(tokens) - 1,
+                                          request.finish_reason if i == len(tokens) - 1 else None)
+                               for i, token in enumerate(tokens))
                 if request.is_done:
                     finished.append(request.request_id)
                     self.scheduler.finished(request)

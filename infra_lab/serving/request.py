@@ -57,6 +57,7 @@ class Request:
     admitted_s: float | None = None  # when it first took part in a step
     preemptions: int = 0
     cached_tokens: int = 0  # prompt tokens a prefix cache served, summed over its admissions
+    draft_room: int = 0  # speculative decoding: drafted tokens the scheduler made room for this step
     rng: np.random.Generator = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -97,6 +98,17 @@ class Request:
             self.finish(RequestState.FINISHED, "stop", now_s)
         elif len(self.output) >= self.params.max_tokens:
             self.finish(RequestState.FINISHED, "length", now_s)
+
+    def extend(self, tokens: list[int], now_s: float) -> list[int]:
+        """Take several tokens from one step (speculative decoding) until the request finishes;
+        returns those it took."""
+        taken = []
+        for token in tokens:
+            if self.is_done:
+                break
+            self.append(token, now_s)
+            taken.append(int(token))
+        return taken
 
     def finish(self, state: RequestState, reason: str, now_s: float) -> None:
         self.state, self.finish_reason, self.finish_s = state, reason, now_s

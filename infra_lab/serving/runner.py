@@ -28,21 +28,23 @@ class ModelRunner:
         self.forward_s = 0.0  # the last step's time in the model's forward alone
         self.vocab, self.context = model.config.vocab, model.config.context
 
-    def run(self, batch: list[tuple[Request, int]], now_s: float | None = None) -> dict[int, int]:
+    def run(self, batch: list[tuple[Request, int]], now_s: float | None = None) -> dict[int, list[int]]:
         """Run one step: request r computes its next n uncomputed tokens, for each (r, n) in
-        `batch`. Returns {request_id: token} for the requests that sampled a token. All or
-        nothing: on OutOfBlocks (or any error) no request changes and the pool is as it was."""
+        `batch` (a speculative runner adds drafted tokens after a decode's one). Returns
+        {request_id: [tokens]} for the requests that produced tokens. All or nothing: on
+        OutOfBlocks (or any error) no request changes and the pool is as it was."""
         self._check(batch)
         fresh = [request for request, _ in batch if request.seq is None]
         for request in fresh:
             request.seq = self.pool.new_sequence()
         seqs = [request.seq for request, _ in batch]
-        counts = [n for _, n in batch]
         try:
+            drafts = self._draft(batch)  # (B,) tokens to verify after each request's n; none here
+            chunks = [request.next_tokens(n) + list(draft) for (request, n), draft in zip(batch, drafts)]
+            counts = [len(chunk) for chunk in chunks]
             with self.pool.undo_on_error(seqs):
                 self.pool.reserve_all(seqs, counts)
                 meta = self.pool.step_metadata(seqs, counts)
-                chunks = [request.next_tokens(n) for request, n in batch]  # what each computes now
                 tokens = np.array([t for chunk in chunks for t in chunk], np.int64)  # (N,)
                 started = self.clock()
                 logits = self._forward(tokens, meta)  # (N, vocab)
@@ -53,17 +55,26 @@ class ModelRunner:
                 request.seq = None
             raise
         now_s = self.clock() if now_s is None else now_s
-        sampled, last_rows = {}, meta.last_rows  # (B,) each request's last row of logits
+        produced, last_rows = {}, meta.last_rows  # (B,) each request's last row of logits
         greedy = self._greedy(logits, last_rows)  # (B,) argmax of each last row, in one call
-        for row, ((request, n), chunk) in enumerate(zip(batch, chunks)):
+        for row, ((request, n), chunk, draft) in enumerate(zip(batch, chunks, drafts)):
             self.pool.commit(request.seq, chunk)
-            request.num_computed += n
-            if request.num_uncomputed == 0:  # its last known token ran: the next one comes out
-                token = (int(greedy[row]) if request.params.temperature == 0
-                         else self._sample(logits, int(last_rows[row]), request))
-                request.append(token, now_s)
-                sampled[request.request_id] = token
-        return sampled
+            if draft:
+                tokens = self._verify(request, n, draft, logits, int(meta.query_starts[row]))
+            else:
+                request.num_computed += n
+                if request.num_uncomputed:
+                    continue  # a prefill chunk that did not reach the prompt's end
+                tokens = [int(greedy[row]) if request.params.temperature == 0
+                          else self._sample(logits, int(last_rows[row]), request)]
+            produced[request.request_id] = request.extend(tokens, now_s)
+        return produced
+
+    def _draft(self, batch: list[tuple[Request, int]]) -> list:
+        return [()] * len(batch)
+
+    def _verify(self, request: Request, n: int, draft, logits: np.ndarray, first_row: int) -> list[int]:
+        raise NotImplementedError("only a speculative runner drafts")
 
     def _forward(self, tokens: np.ndarray, meta) -> np.ndarray:
         return self.model.step(tokens, meta, self.pool, self.backend)

@@ -12,6 +12,10 @@
   most `chunk_size` tokens per request) fill the rest of the budget, so a long prompt no longer
   stalls the decodes in its step.
 
+With speculative decoding (chapter 07), a request whose step reaches the end of its known tokens
+(a decode, or a prompt's last chunk) also gets room for up to `num_speculative_tokens` drafted
+tokens: blocks and budget, as vLLM's lookahead slots.
+
 When the pool runs out of blocks, the continuous and chunked policies preempt. The victim rule
 (vLLM's): the running request admitted last goes first, so the oldest keep their progress. It
 loses its blocks and waits at the head of the queue to be recomputed, or with swap space its
@@ -133,22 +137,24 @@ class Scheduler:
             if request.state is not RequestState.RUNNING or plan.budget == 0:
                 continue  # preempted while making room for an older one, or no budget left
             n = min(request.num_uncomputed, config.prefill_chunk, plan.budget)
-            if self._room_for(request, n, plan):
-                self._plan(request, n, plan)
+            extra = self._draft_room(request, n, plan)
+            if self._room_for(request, n + extra, plan):
+                self._plan(request, n, plan, extra)
         if plan.preempted:
             return plan  # memory is short: admit nothing until the running ones need less
         while self.swapped and len(self.running) < config.max_batch and plan.budget > 0:
             request = self.swapped[0]
             n = min(request.num_uncomputed, config.prefill_chunk, plan.budget)
-            if not self.blocks.make_room(self.blocks.swap_in_blocks(request, n)):
+            extra = self._draft_room(request, n, plan)
+            if not self.blocks.make_room(self.blocks.swap_in_blocks(request, n + extra)):
                 return plan
             self.swapped.popleft()
             self.blocks.swap_in(request)
             self.running.append(request)
             request.state = RequestState.RUNNING
             plan.swapped_in.append(request)
-            self._room_for(request, n, plan)  # made above: the swapped blocks plus the new tokens'
-            self._plan(request, n, plan)
+            self._room_for(request, n + extra, plan)  # made above: the swapped blocks plus the new tokens'
+            self._plan(request, n, plan, extra)
         if self.swapped:
             return plan  # swapped requests come back before new ones are admitted
         for request in self._admission_order():
@@ -158,21 +164,32 @@ class Scheduler:
                 break  # the whole prompt must fit this step's budget; keep the queue's order
             cached = self.blocks.start(request)  # its cached prefix is locked from here on
             n = min(request.num_uncomputed, config.prefill_chunk, plan.budget)
-            if not self.blocks.make_room(self.blocks.blocks_needed(request, n)):
+            extra = self._draft_room(request, n, plan)
+            if not self.blocks.make_room(self.blocks.blocks_needed(request, n + extra)):
                 self.blocks.release(request)  # undo the start; it waits
                 break
             self.waiting.remove(request)
             request.cached_tokens += cached
             self._admit(request, now_s)
-            self._plan(request, n, plan)
+            self._plan(request, n, plan, extra)
         return plan
 
-    def _plan(self, request: Request, n: int, plan: StepPlan) -> None:
-        """Put `request` in the step with `n` tokens; their blocks are reserved now, so the room
-        that later requests see is what is really left."""
-        self.blocks.pool.reserve(request.seq, n)
+    def _plan(self, request: Request, n: int, plan: StepPlan, draft_room: int = 0) -> None:
+        """Put `request` in the step with `n` tokens, and room for `draft_room` drafted ones after
+        them (speculative decoding); their blocks are reserved now, so the room that later
+        requests see is what is really left."""
+        self.blocks.pool.reserve(request.seq, n + draft_room)
+        request.draft_room = draft_room
         plan.batch.append((request, n))
-        plan.budget -= n
+        plan.budget -= n + draft_room
+
+    def _draft_room(self, request: Request, n: int, plan: StepPlan) -> int:
+        """Speculative decoding: drafted tokens a request may verify in this step, after its `n`.
+        Any step that reaches the end of its known tokens can carry drafts (a decode, or a
+        prompt's last chunk); they count against the budget and need blocks like any token."""
+        if n < request.num_uncomputed:
+            return 0
+        return max(min(self.config.num_speculative_tokens, plan.budget - n), 0)
 
     def _admission_order(self) -> list[Request]:
         if self.config.order == "longest-prefix":
@@ -201,7 +218,7 @@ class Scheduler:
         self.running.remove(victim)
         for entry in [e for e in plan.batch if e[0] is victim]:  # planned already: its tokens wait
             plan.batch.remove(entry)
-            plan.budget += entry[1]
+            plan.budget += entry[1] + victim.draft_room
             self.blocks.unreserve(victim)  # and the blocks _plan reserved for them go back
         victim.state, victim.preemptions = RequestState.PREEMPTED, victim.preemptions + 1
         plan.preempted.append(victim)
