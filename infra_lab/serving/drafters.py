@@ -59,6 +59,9 @@ class Drafter:
     def retain(self, keys) -> None:
         """Forget every sequence not in `keys` (they finished, or lost their place)."""
 
+    def forget(self, key: int) -> None:
+        """Forget one sequence (it was aborted)."""
+
 
 class PromptLookupDrafter(Drafter):
     name = "prompt lookup"
@@ -100,6 +103,10 @@ class ModelDrafter(Drafter):
 
     def retain(self, keys) -> None:
         for key in set(self.seqs) - set(keys):
+            self.forget(key)
+
+    def forget(self, key: int) -> None:
+        if key in self.seqs:
             self.pool.free(self.seqs.pop(key))
 
     def propose(self, jobs: list[DraftJob]) -> list[Draft]:

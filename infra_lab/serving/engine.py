@@ -39,11 +39,12 @@ class StepOutput:
 class Engine:
     def __init__(self, model=None, config: EngineConfig | None = None, backend: backends.Backend | None = None,
                  *, runner=None, clock=None, scheduler_class: type[Scheduler] = Scheduler,
-                 drafter: Drafter | None = None):
+                 drafter: Drafter | None = None, acceptance_rule=None):
         """The engine over `model` (a Transformer) on `backend`; a simulator passes its own
         `runner` (with its pool) and `clock` instead of a model. `scheduler_class` may be a
         subclass of Scheduler with a policy of one's own (chapter 05's last exercise). With
-        config.num_speculative_tokens = γ > 0, `drafter` proposes γ tokens per decode (chapter 07)."""
+        config.num_speculative_tokens = γ > 0, `drafter` proposes γ tokens per decode and
+        `acceptance_rule` (speculative.accept_sampling unless given) judges them (chapter 07)."""
         self.config = config or EngineConfig()
         self.clock = clock or WallClock()
         gamma = self.config.num_speculative_tokens
@@ -57,7 +58,7 @@ class Engine:
             pool = model.new_paged_cache(self.config.num_blocks, self.config.block_size, backend=backend)
             if drafter is not None:
                 check_drafter(drafter, model)
-                runner = SpeculativeRunner(model, pool, backend, self.clock, drafter, gamma)
+                runner = SpeculativeRunner(model, pool, backend, self.clock, drafter, gamma, acceptance_rule)
             else:
                 runner = ModelRunner(model, pool, backend, clock=self.clock)
         self.runner = runner
@@ -129,6 +130,8 @@ class Engine:
             return False
         self.scheduler.remove(request)
         self.blocks.drop(request)
+        if isinstance(self.runner, SpeculativeRunner):
+            self.runner.drafter.forget(request_id)  # its draft model's cache goes too
         request.finish(RequestState.ABORTED, "abort", self.clock())
         return True
 
@@ -151,9 +154,11 @@ class Engine:
             plan.preempted[:0], plan.swapped_out[:0] = preempted.preempted, preempted.swapped_out
         if not plan:
             return []
-        work = tuple(Work(r.request_id, "decode" if r.output and r.num_uncomputed == 1 else "prefill", n)
-                     for r, n in plan.batch)
+        kinds = ["decode" if r.output and r.num_uncomputed == 1 else "prefill" for r, _ in plan.batch]
         produced = self.runner.run(plan.batch)
+        verdicts = self.runner.verdicts  # request id -> (drafted, accepted) in this step
+        work = tuple(Work(r.request_id, kind, n, *verdicts.get(r.request_id, (0, 0)))
+                     for (r, n), kind in zip(plan.batch, kinds))
         outputs, finished = [], []
         for request, _ in plan.batch:
             if request.request_id in produced:
@@ -169,7 +174,7 @@ class Engine:
             index=len(self.log), start_s=start, end_s=self.clock(), forward_s=self.runner.forward_s, work=work,
             preempted=ids(plan.preempted), swapped_out=ids(plan.swapped_out), swapped_in=ids(plan.swapped_in),
             finished=tuple(finished), held=ids(plan.held), waiting=len(self.scheduler.waiting),
-            free_blocks=self.blocks.pool.num_free))
+            free_blocks=self.blocks.pool.num_free, draft_s=getattr(self.runner, "draft_s", 0.0)))
         return outputs
 
     @property

@@ -26,6 +26,7 @@ class ModelRunner:
         self.backend = backend or backends.current()
         self.clock = clock  # seconds; an engine passes its own, a simulator a virtual one
         self.forward_s = 0.0  # the last step's time in the model's forward alone
+        self.verdicts: dict[int, tuple[int, int]] = {}  # the last step's (drafted, accepted) per request
         self.vocab, self.context = model.config.vocab, model.config.context
 
     def run(self, batch: list[tuple[Request, int]], now_s: float | None = None) -> dict[int, list[int]]:

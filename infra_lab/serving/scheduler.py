@@ -189,7 +189,8 @@ class Scheduler:
         prompt's last chunk); they count against the budget and need blocks like any token."""
         if n < request.num_uncomputed:
             return 0
-        return max(min(self.config.num_speculative_tokens, plan.budget - n), 0)
+        left = request.params.max_tokens - len(request.output) - 1  # the target's own token fills the last place
+        return max(min(self.config.num_speculative_tokens, plan.budget - n, left), 0)
 
     def _admission_order(self) -> list[Request]:
         if self.config.order == "longest-prefix":

@@ -77,6 +77,7 @@ class SimulatedRunner(ModelRunner):
         self.time_model, self.pool, self.clock = time_model, pool, clock
         self.vocab, self.context = time_model.config.vocab, time_model.config.context
         self.forward_s = 0.0
+        self.verdicts = {}
 
     def _forward(self, tokens: np.ndarray, meta) -> None:
         query_lens = np.diff(meta.query_starts)

@@ -71,9 +71,12 @@ class Verdict:
     tokens: tuple[int, ...]  # what comes out: the kept drafts, then the target's own token
 
 
-def accept(logits: np.ndarray, draft: Draft, params: SamplingParams, rng: np.random.Generator) -> Verdict:
+def accept(logits: np.ndarray, draft: Draft, params: SamplingParams, rng: np.random.Generator,
+           rule=None) -> Verdict:
     """The target's verdict on `draft`, from its logits (k + 1, vocab) at the position before each
-    drafted token and after the last: greedy at temperature 0, else speculative sampling."""
+    drafted token and after the last: greedy at temperature 0, else `rule(p, drafted, q, rng)`
+    (speculative sampling, `accept_sampling`, unless another rule is given) on the target's
+    distributions p, with the sampling parameters' temperature, top-k and top-p."""
     k, vocab = len(draft), logits.shape[-1]
     if logits.shape != (k + 1, vocab):
         raise ValueError(f"need the target's logits for the {k} drafted tokens plus one, ({k + 1}, vocab); "
@@ -84,7 +87,7 @@ def accept(logits: np.ndarray, draft: Draft, params: SamplingParams, rng: np.ran
     if params.temperature == 0:
         return accept_greedy(logits.argmax(axis=1), draft.tokens)
     p = np.array([distribution(row, params.temperature, params.top_k, params.top_p) for row in logits])
-    return accept_sampling(p, draft.tokens, draft.q, rng)
+    return (rule or accept_sampling)(p, draft.tokens, draft.q, rng)
 
 
 def accept_greedy(target_tokens: np.ndarray, drafted) -> Verdict:
@@ -160,6 +163,16 @@ class Tally:
 
 
 @dataclass(frozen=True)
+class Round:
+    """One target forward of a run: what was drafted, how much of it the target kept, what came out."""
+    drafted: tuple[int, ...]
+    accepted: int
+    emitted: tuple[int, ...]  # the kept drafts, then the target's own token (cut at a stop or max_new_tokens)
+    draft_s: float
+    verify_s: float
+
+
+@dataclass(frozen=True)
 class SpeculativeGeneration:
     prompt_tokens: list[int]
     new_tokens: list[int]
@@ -168,6 +181,7 @@ class SpeculativeGeneration:
     target_s: float  # in the target's forwards
     target_forwards: int
     tally: Tally
+    rounds: list[Round]  # the forwards after the prompt's, in order
 
     @property
     def text(self) -> str:
@@ -199,7 +213,7 @@ def speculative_generate(target, drafter: Drafter, prompt, gamma: int, max_new_t
     started = time.perf_counter()
     logits = target.forward(tokens, cache, backend)[-1]
     new = [sample(logits, params.temperature, params.top_k, params.top_p, rng)]
-    draft_s, target_s, forwards = 0.0, 0.0, 1
+    draft_s, target_s, forwards, rounds = 0.0, 0.0, 1, []
     try:
         while len(new) < max_new_tokens and new[-1] not in params.stop_tokens:
             sequence = tokens + new
@@ -211,15 +225,19 @@ def speculative_generate(target, drafter: Drafter, prompt, gamma: int, max_new_t
             rows = target.forward([sequence[-1], *draft.tokens], cache, backend)  # (1 + k', vocab)
             verdict = accept(rows, draft, params, rng)
             cache.cache.truncate(cache.seq, len(sequence) + verdict.accepted)  # rejected drafts leave
-            draft_s, target_s, forwards = draft_s + tock - tick, target_s + time.perf_counter() - tock, forwards + 1
+            done = time.perf_counter()
+            draft_s, target_s, forwards = draft_s + tock - tick, target_s + done - tock, forwards + 1
             tally.add(len(draft), verdict)
+            before = len(new)
             for token in verdict.tokens:
                 new.append(token)
                 if token in params.stop_tokens or len(new) == max_new_tokens:
                     break
+            rounds.append(Round(draft.tokens, verdict.accepted, tuple(new[before:]), tock - tick, done - tock))
     finally:
         drafter.retain(())
-    return SpeculativeGeneration(tokens, new, time.perf_counter() - started, draft_s, target_s, forwards, tally)
+    return SpeculativeGeneration(tokens, new, time.perf_counter() - started, draft_s, target_s, forwards, tally,
+                                 rounds)
 
 
 def check_drafter(drafter: Drafter, target) -> None:
@@ -231,14 +249,26 @@ def check_drafter(drafter: Drafter, target) -> None:
 
 
 def check_draft(draft: Draft, k: int, drafter: Drafter) -> Draft:
-    """A draft of at most k tokens, each in the vocabulary, with a q row per token if any."""
+    """A draft of at most k tokens, each in the vocabulary, with a q row per token if any: a
+    distribution that gives its token a chance (accept_sampling divides by it)."""
     if not isinstance(draft, Draft) or len(draft) > k:
         raise ValueError(f"the {drafter.name} drafter must return a Draft of at most {k} tokens; got {draft!r}")
     bad = [t for t in draft.tokens if not isinstance(t, (int, np.integer)) or not 0 <= t < drafter.vocab]
     if bad:
         raise ValueError(f"the {drafter.name} drafter proposed token {bad[0]!r}, outside the vocabulary "
                          f"[0, {drafter.vocab})")
-    if draft.q is not None and np.shape(draft.q) != (len(draft), drafter.vocab):
-        raise ValueError(f"the {drafter.name} drafter's q must be ({len(draft)}, {drafter.vocab}), a row per "
-                         f"drafted token; got {np.shape(draft.q)}")
+    if draft.q is not None:
+        if np.shape(draft.q) != (len(draft), drafter.vocab):
+            raise ValueError(f"the {drafter.name} drafter's q must be ({len(draft)}, {drafter.vocab}), a row per "
+                             f"drafted token; got {np.shape(draft.q)}")
+        q = np.asarray(draft.q, np.float64)
+        sums = q.sum(axis=1) if len(draft) else np.ones(0)
+        if not np.isfinite(q).all() or (q < 0).any() or not np.allclose(sums, 1, atol=1e-6):
+            raise ValueError(f"the {drafter.name} drafter's q rows must be distributions (non-negative, summing to "
+                             f"1); got row sums {np.round(sums, 6).tolist()}")
+        unlikely = [i for i, t in enumerate(draft.tokens) if q[i, t] <= 0]
+        if unlikely:  # caught here, before the target's forward, not halfway through a step's verdicts
+            i = unlikely[0]
+            raise ValueError(f"the {drafter.name} drafter proposed token {draft.tokens[i]} at position {i} with "
+                             "probability 0 in its own q")
     return draft

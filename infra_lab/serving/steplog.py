@@ -18,6 +18,8 @@ class Work:
     request_id: int
     kind: str  # "prefill": prompt tokens (or a preempted request's recompute); "decode": one token
     n_tokens: int
+    drafted: int = 0  # speculative decoding (chapter 07): drafted tokens verified after the n_tokens
+    accepted: int = 0  # of those, the ones the target kept
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class StepRecord:
     held: tuple[int, ...] = ()  # holding a batch slot without computing (static batching)
     waiting: int = 0  # requests waiting after the step was planned (preempted ones included)
     free_blocks: int = 0  # KV blocks free after the step
+    draft_s: float = 0.0  # in the drafter (speculative decoding)
 
     @property
     def seconds(self) -> float:
@@ -42,6 +45,11 @@ class StepRecord:
     @property
     def n_tokens(self) -> int:
         return sum(w.n_tokens for w in self.work)
+
+    @property
+    def forward_tokens(self) -> int:
+        """Tokens the forward ran: the scheduled ones and the drafted ones verified after them."""
+        return sum(w.n_tokens + w.drafted for w in self.work)
 
     @property
     def prefill_tokens(self) -> int:
