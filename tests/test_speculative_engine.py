@@ -81,7 +81,8 @@ def test_batched_greedy_is_the_targets_greedy(target, draft, name, gamma, kind, 
 def test_the_draft_model_frees_each_finished_requests_sequence(target, draft):
     """The last requests to finish are in no later batch: their draft sequences must go anyway."""
     drafter = ModelDrafter(draft, backend=backends.resolve("torch"))
-    engine = Engine(target, EngineConfig(num_speculative_tokens=3, num_blocks=32, block_size=8), backends.resolve("torch"),
+    config = EngineConfig(num_speculative_tokens=3, num_blocks=32, block_size=8)
+    engine = Engine(target, config, backends.resolve("torch"),
                     drafter=drafter)
     ids = [engine.add_request(prompt, SamplingParams(max_tokens=m)) for prompt, m in zip(PROMPTS, (4, 12, 8))]
     while engine.has_unfinished:

@@ -69,8 +69,8 @@ def fit(observed: np.ndarray, expected: np.ndarray) -> FitTest:
     """Pearson's chi-square of observed outcome indices against exact probabilities (any shape,
     flattened). Outcomes expected under 5 times are pooled into one bin, with the next rarest
     while that bin is still expected under 5 times (Cochran's rule: a bin expected 0.01 times
-    that happens once would otherwise add 98 to the chi-square of a faithful sampler); outcomes of probability 0 that occur make the test fail
-    outright (p = 0)."""
+    that happens once would otherwise add 98 to the chi-square of a faithful sampler);
+    outcomes of probability 0 that occur make the test fail outright (p = 0)."""
     expected = np.asarray(expected, np.float64).ravel()
     observed = np.asarray(observed).ravel()
     if not np.isfinite(expected).all() or (expected < 0).any() or not np.isclose(expected.sum(), 1, atol=1e-5):

@@ -58,7 +58,7 @@ def speedup(alpha: float, gamma: int, c: float) -> float:
 
 
 def best_gamma(alpha: float, c: float, max_gamma: int = 16) -> int:
-    """The γ in 1..max_gamma with the highest expected speed-up."""
+    """The γ in 1..max_gamma with the highest expected speed-up (the smallest such γ on a tie)."""
     return max(range(1, check_gamma(max_gamma) + 1), key=lambda g: speedup(alpha, g, c))
 
 
