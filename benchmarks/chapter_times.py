@@ -183,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cell-timeout", type=int, default=300,
                         help="seconds one cell may take (the build's limit; default 300)")
     parser.add_argument("--out", type=Path, default=OUT, help=f"default {OUT}")
+    parser.add_argument("--only", action="append", metavar="STEM",
+                        help="time only this chapter and its solutions (repeatable); the other "
+                             "figures in --out are kept, and `remeasured` says which were timed "
+                             "later, and when")
     args = parser.parse_args(argv)
 
     os.environ.setdefault("TQDM_DISABLE", "1")
@@ -202,8 +206,22 @@ def main(argv: list[str] | None = None) -> int:
         "failed": {},
         "load_average": [],  # 1-minute load before each notebook, and at the end
     }
+    chosen = notebooks_to_time()
+    if args.only:
+        unknown = sorted(set(args.only) - {path.stem for path in chosen})
+        if unknown:
+            parser.error(f"no chapter {unknown[0]!r} in _toc.yml; choose from "
+                         f"{sorted({path.stem for path in chosen})}")
+        chosen = [path for path in chosen if path.stem in args.only]
+        if args.out.is_file():  # keep the earlier run's figures for the other notebooks
+            earlier = json.loads(args.out.read_text(encoding="utf-8"))
+            remeasured = earlier.get("remeasured", {}) | {
+                path.as_posix(): f"{results['measured_on']}, with --only" for path in chosen}
+            results = earlier | {"seconds": earlier.get("seconds", {}), "remeasured": remeasured}
+            results["failed"] = {k: v for k, v in earlier.get("failed", {}).items()
+                                 if k not in remeasured}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    for relative in notebooks_to_time():
+    for relative in chosen:
         results["load_average"].append(round(os.getloadavg()[0], 1))
         print(f"{relative} ...", end=" ", flush=True)
         try:

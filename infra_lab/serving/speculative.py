@@ -25,7 +25,7 @@ import numpy as np
 
 from infra_lab import backend as backends
 from infra_lab.model import tokenizer
-from infra_lab.model.generate import distribution, sample
+from infra_lab.model.generate import Generation, distribution, sample
 from infra_lab.serving.drafters import Draft, Drafter, DraftJob
 from infra_lab.serving.request import SamplingParams
 
@@ -173,23 +173,13 @@ class Round:
 
 
 @dataclass(frozen=True)
-class SpeculativeGeneration:
-    prompt_tokens: list[int]
-    new_tokens: list[int]
-    seconds: float
+class SpeculativeGeneration(Generation):
+    """A generation (text, tokens/s), with where its time went and what its rounds kept."""
     draft_s: float  # in the drafter
     target_s: float  # in the target's forwards
     target_forwards: int
     tally: Tally
     rounds: list[Round]  # the forwards after the prompt's, in order
-
-    @property
-    def text(self) -> str:
-        return tokenizer.decode(self.new_tokens)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return len(self.new_tokens) / self.seconds if self.seconds > 0 else float("inf")
 
 
 def speculative_generate(target, drafter: Drafter, prompt, gamma: int, max_new_tokens: int = 64,
