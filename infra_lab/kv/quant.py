@@ -1,5 +1,5 @@
-"""Quantizing the KV cache: int8 and int4 with a scale per group of values, and an fp8-like
-e4m3 format.
+"""Quantizing the KV cache: int8 and int4 with a scale per group of values, and fp8 e4m3. The
+formats themselves are `quant.formats`, which the weights (chapter 08) share.
 
 Group-wise quantization (as in KIVI, Liu et al., 2024, and the int4 schemes of Dettmers and
 Zettlemoyer, 2023) stores, for every `group` consecutive values of a token's head vector, one
@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from infra_lab.kv.contiguous import ContiguousKVCache
+from infra_lab.quant.formats import SCALE_BYTES, dequantize_int, quantize_int, round_e4m3
 
-SCALE_BYTES = 2  # scales kept in fp16
+__all__ = ["FORMATS", "Format", "QuantizedKVCache", "dequantize_int", "quantize_int", "round_e4m3", "roundtrip"]
 
 
 @dataclass(frozen=True)
@@ -33,40 +34,6 @@ FORMATS = {
     "int8": Format("int8", 8, 32), "fp8-e4m3": Format("fp8-e4m3", 8, None),
     "int4": Format("int4", 4, 32),
 }
-
-
-def _groups(x: np.ndarray, group: int) -> np.ndarray:
-    if group < 1 or x.shape[-1] % group:
-        raise ValueError(f"group size must be >= 1 and divide the last dimension {x.shape[-1]}; got {group}")
-    return x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
-
-
-def quantize_int(x: np.ndarray, bits: int, group: int) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric integer quantization: (values in [-q_max, q_max] as int8, scales (..., n_groups))."""
-    if bits not in (4, 8):
-        raise ValueError(f"bits must be 4 or 8; got {bits}")
-    q_max = 2 ** (bits - 1) - 1
-    grouped = _groups(np.asarray(x, np.float32), group)
-    exact = np.abs(grouped).max(-1) / q_max  # (..., n_groups)
-    scales = exact.astype(np.float16)  # as stored, rounded up so that no value needs clipping
-    scales = np.where(scales.astype(np.float32) < exact, np.nextafter(scales, np.float16(np.inf)), scales)
-    safe = np.where(scales > 0, scales, 1).astype(np.float32)[..., None]
-    values = np.clip(np.rint(grouped / safe), -q_max, q_max).astype(np.int8)
-    return values.reshape(x.shape), scales
-
-
-def dequantize_int(values: np.ndarray, scales: np.ndarray, group: int) -> np.ndarray:
-    grouped = _groups(values.astype(np.float32), group)
-    return (grouped * scales.astype(np.float32)[..., None]).reshape(values.shape)
-
-
-def round_e4m3(x: np.ndarray) -> np.ndarray:
-    """Round to the nearest fp8 e4m3 value (4 exponent bits, 3 mantissa bits, max 448,
-    subnormals down to 2^-9), as in Micikevicius et al., "FP8 Formats for Deep Learning", 2022."""
-    x = np.clip(np.asarray(x, np.float32), -448, 448)
-    mantissa, exponent = np.frexp(x)  # x = mantissa * 2^exponent, |mantissa| in [0.5, 1)
-    step_exponent = np.maximum(exponent, -5) - 4  # 3 mantissa bits below the leading one
-    return (np.rint(x * np.exp2(-step_exponent)) * np.exp2(step_exponent)).astype(np.float32)
 
 
 def roundtrip(x: np.ndarray, fmt: str) -> np.ndarray:
