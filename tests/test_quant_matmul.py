@@ -1,0 +1,61 @@
+"""quant.matmul: the dequantizing products on numpy, numba and torch agree with the float product
+of the dequantized matrix, and QuantizedMatrix stores what formats.quantize_int gives."""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from infra_lab import backend as backends
+from infra_lab.quant import formats
+from infra_lab.quant.matmul import QuantizedMatrix, matmul, matmul_numba, matmul_numpy, matmul_torch
+
+FACES = [matmul_numpy, matmul_numba]
+try:
+    import torch  # noqa: F401
+
+    FACES.append(matmul_torch)
+except ImportError:
+    pass
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), bits=st.sampled_from([4, 8]), group=st.sampled_from([None, 2, 8, 32]),
+       batch=st.integers(1, 5), n_out=st.integers(1, 9))
+def test_every_face_computes_x_times_the_dequantized_matrix(seed, bits, group, batch, n_out):
+    rng = np.random.default_rng(seed)
+    weights = rng.standard_normal((64, n_out)).astype(np.float32)
+    x = rng.standard_normal((batch, 64)).astype(np.float32)
+    matrix = QuantizedMatrix.quantize(weights, bits, group)
+    exact = x.astype(np.float64) @ matrix.dequantize().astype(np.float64)
+    for face in FACES:
+        assert np.allclose(face(x, matrix), exact, rtol=1e-4, atol=1e-4), face.__name__
+
+
+def test_the_matrix_holds_formats_codes_and_scales():
+    weights = np.random.default_rng(0).standard_normal((16, 3)).astype(np.float32)
+    matrix = QuantizedMatrix.quantize(weights, 4, 8)
+    values, scales = formats.quantize_int(weights.T, 4, 8)
+    assert (formats.unpack_int4(matrix.codes, 16) == values).all() and (matrix.scales == scales).all()
+    assert matrix.codes.shape == (3, 8) and matrix.nbytes == 3 * 8 + 3 * 2 * 2
+    assert np.abs(matrix.dequantize() - weights).max() <= scales.astype(np.float32).max() / 2 * (1 + 1e-6)
+
+
+def test_the_current_backend_picks_the_face():
+    weights = np.eye(8, dtype=np.float32)
+    matrix = QuantizedMatrix.quantize(weights, 8)
+    x = np.arange(8, dtype=np.float32)[None]
+    with backends.using("numpy"):
+        assert np.allclose(matmul(x, matrix), x, atol=0.05)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: QuantizedMatrix.quantize(np.zeros((8, 2)), 3), ValueError, "8-bit or packed 4-bit codes; got bits=3"),
+    (lambda: QuantizedMatrix.quantize(np.zeros(8), 8), ValueError, r"need a matrix \(n_in, n_out\); got shape \(8,\)"),
+    (lambda: QuantizedMatrix.quantize(np.zeros((10, 2)), 8, 4), ValueError, "divide the row of 10 values; got 4"),
+    (lambda: matmul_numpy(np.zeros((1, 7)), QuantizedMatrix.quantize(np.zeros((8, 2)), 8)), ValueError,
+     r"x must be \(batch, 8\) for a \(8, 2\) matrix; got \(1, 7\)"),
+    (lambda: matmul_numba(np.zeros((1, 8)), np.zeros((8, 2))), TypeError, "need a QuantizedMatrix"),
+])
+def test_bad_input_is_named(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
