@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import stats
 
 from infra_lab import backend as backends
 from infra_lab.model.generate import distribution
@@ -87,6 +86,8 @@ def fit(observed: np.ndarray, expected: np.ndarray) -> FitTest:
     pooled = min(max(sparse, int(np.searchsorted(np.cumsum(expected[rarest]) * n, 5)) + 1), len(rarest))
     observed_bins = np.append(counts[rarest[:pooled]].sum(), counts[rarest[pooled:]])
     expected_bins = np.append(expected[rarest[:pooled]].sum(), expected[rarest[pooled:]]) * n
+    from scipy import stats  # here, as simulator.py imports scipy: not on the import path of the package
+
     chi = float(((observed_bins - expected_bins) ** 2 / expected_bins).sum())
     dof = len(expected_bins) - 1
     p_value = 0.0 if impossible else float(stats.chi2.sf(chi, dof)) if dof > 0 else 1.0
