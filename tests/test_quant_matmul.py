@@ -35,7 +35,9 @@ def test_the_matrix_holds_formats_codes_and_scales():
     weights = np.random.default_rng(0).standard_normal((16, 3)).astype(np.float32)
     matrix = QuantizedMatrix.quantize(weights, 4, 8)
     values, scales = formats.quantize_int(weights.T, 4, 8)
-    assert (formats.unpack_int4(matrix.codes, 16) == values).all() and (matrix.scales == scales).all()
+    assert (matrix.values() == values).all() and (matrix.scales == scales).all()
+    low, high = matrix.codes[0, :4] & 15, matrix.codes[0, :4] >> 4  # the first group's two halves, as v + 8
+    assert (low == values[0, :4] + 8).all() and (high == values[0, 4:8] + 8).all()
     assert matrix.codes.shape == (3, 8) and matrix.nbytes == 3 * 8 + 3 * 2 * 2
     assert np.abs(matrix.dequantize() - weights).max() <= scales.astype(np.float32).max() / 2 * (1 + 1e-6)
 
@@ -52,6 +54,7 @@ def test_the_current_backend_picks_the_face():
     (lambda: QuantizedMatrix.quantize(np.zeros((8, 2)), 3), ValueError, "8-bit or packed 4-bit codes; got bits=3"),
     (lambda: QuantizedMatrix.quantize(np.zeros(8), 8), ValueError, r"need a matrix \(n_in, n_out\); got shape \(8,\)"),
     (lambda: QuantizedMatrix.quantize(np.zeros((10, 2)), 8, 4), ValueError, "divide the row of 10 values; got 4"),
+    (lambda: QuantizedMatrix.quantize(np.zeros((9, 2)), 4, 3), ValueError, "the group size must be even; got 3"),
     (lambda: matmul_numpy(np.zeros((1, 7)), QuantizedMatrix.quantize(np.zeros((8, 2)), 8)), ValueError,
      r"x must be \(batch, 8\) for a \(8, 2\) matrix; got \(1, 7\)"),
     (lambda: matmul_numba(np.zeros((1, 8)), np.zeros((8, 2))), TypeError, "need a QuantizedMatrix"),

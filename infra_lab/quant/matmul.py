@@ -6,11 +6,14 @@ into numbers faster than memory delivers them. W (n_in, n_out), as the model app
 transposed: row o holds output o's n_in weights, quantized along n_in in groups that each have
 one fp16 scale (formats.quantize_int), int8 as one byte per value or int4 packed two to a byte.
 Each output is then a sum over groups of scale times an integer dot product, and a row is one
-contiguous stream of bytes.
+contiguous stream of bytes. Within a group of g int4 values, byte j holds value j in its low
+nibble and value j + g/2 in its high one (not formats.pack_int4's neighbours), each as v + 8 in
+0..15, so that both nibbles of a run of bytes meet runs of x, and the kernel takes the 8 back out
+once per group with the sum of x.
 
-Three faces: numpy dequantizes W and multiplies (the reference); numba streams the codes, a task
-per four output rows so that each load of x serves four of them; torch dequantizes on the
-tensors' device and multiplies there.
+Three faces: numpy dequantizes W and multiplies (the reference); numba streams each row's codes
+in plain loops over contiguous runs, which LLVM vectorizes; torch dequantizes on the tensors'
+device and multiplies there.
 """
 from __future__ import annotations
 
@@ -46,18 +49,39 @@ class QuantizedMatrix:
             raise ValueError(f"the matrix kernels read 8-bit or packed 4-bit codes; got bits={bits!r}")
         n_in, n_out = weights.shape
         values, scales = formats.quantize_int(weights.T, bits, group)  # (n_out, n_in), (n_out, n_groups)
-        codes = formats.pack_int4(values) if bits == 4 else values
-        return cls(n_in, n_out, bits, group or n_in, np.ascontiguousarray(codes), np.ascontiguousarray(scales))
+        group = group or n_in
+        if bits == 4 and group % 2:
+            raise ValueError(f"int4 groups hold whole bytes: the group size must be even; got {group}")
+        codes = _pack_halves(values, group) if bits == 4 else values
+        return cls(n_in, n_out, bits, group, np.ascontiguousarray(codes), np.ascontiguousarray(scales))
 
     @property
     def nbytes(self) -> int:
         """Bytes a product reads of W: the codes and the scales."""
         return self.codes.nbytes + self.scales.nbytes
 
+    def values(self) -> np.ndarray:
+        """The integer codes as int8 (n_out, n_in), unpacked."""
+        return _unpack_halves(self.codes, self.group) if self.bits == 4 else self.codes
+
     def dequantize(self) -> np.ndarray:
         """W (n_in, n_out) as the codes and scales give it back, float32."""
-        values = formats.unpack_int4(self.codes, self.n_in) if self.bits == 4 else self.codes
-        return formats.dequantize_int(values, self.scales, self.group).T
+        return formats.dequantize_int(self.values(), self.scales, self.group).T
+
+
+def _pack_halves(values: np.ndarray, group: int) -> np.ndarray:
+    """int4 values (n_out, n_in) -> uint8 (n_out, n_in / 2): in each group, byte j = value j
+    (low nibble) and value j + group / 2 (high nibble), each stored as v + 8."""
+    n_out, n_in = values.shape
+    halves = values.reshape(n_out, n_in // group, 2, group // 2)
+    pairs = np.stack([halves[:, :, 0], halves[:, :, 1]], axis=-1)  # (n_out, G, group / 2, 2)
+    return formats.pack_int4(pairs.reshape(n_out, n_in)) ^ np.uint8(0x88)  # two's complement -> v + 8
+
+
+def _unpack_halves(packed: np.ndarray, group: int) -> np.ndarray:
+    n_out, n_in = packed.shape[0], 2 * packed.shape[1]
+    pairs = formats.unpack_int4(packed ^ np.uint8(0x88), n_in).reshape(n_out, n_in // group, group // 2, 2)
+    return np.concatenate([pairs[..., 0], pairs[..., 1]], axis=-1).reshape(n_out, n_in)
 
 
 def _check(x, matrix: QuantizedMatrix) -> None:
@@ -78,37 +102,34 @@ def matmul_numpy(x: np.ndarray, matrix: QuantizedMatrix) -> np.ndarray:
 @numba.njit(parallel=True, fastmath=True, cache=True)
 def _int8_rows(x, codes, scales, group, out):  # (B, n_in) f32, (n_out, n_in) i8, (n_out, G) f32, (B, n_out)
     batch, n_in = x.shape
-    n_out = codes.shape[0]
-    for task in numba.prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
-        for row in range(task * ROWS_PER_TASK, min(task * ROWS_PER_TASK + ROWS_PER_TASK, n_out)):
-            for b in range(batch):
-                total = np.float32(0)
-                for g in range(n_in // group):
-                    partial = np.float32(0)  # the group's integer codes times x, then one scale
-                    for i in range(g * group, (g + 1) * group):
-                        partial += np.float32(codes[row, i]) * x[b, i]
-                    total += partial * scales[row, g]
-                out[b, row] = total
+    for row in numba.prange(codes.shape[0]):
+        for b in range(batch):
+            total = np.float32(0)
+            for g in range(n_in // group):
+                base, partial = g * group, np.float32(0)  # the group's codes times x, then one scale
+                for i in range(group):
+                    partial += np.float32(codes[row, base + i]) * x[b, base + i]
+                total += partial * scales[row, g]
+            out[b, row] = total
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True)
-def _int4_rows(x, packed, scales, group, out):  # (B, n_in) f32, (n_out, n_in/2) u8, (n_out, G) f32, (B, n_out)
+def _int4_rows(x, x_sums, packed, scales, group, out):  # x_sums (B, G): each group's sum of x
     batch, n_in = x.shape
-    n_out = packed.shape[0]
-    half = group // 2  # bytes per group
-    for task in numba.prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
-        for row in range(task * ROWS_PER_TASK, min(task * ROWS_PER_TASK + ROWS_PER_TASK, n_out)):
-            for b in range(batch):
-                total = np.float32(0)
-                for g in range(n_in // group):
-                    partial = np.float32(0)
-                    for j in range(g * half, (g + 1) * half):
-                        byte = np.int32(packed[row, j])
-                        low = np.float32(((byte & 15) ^ 8) - 8)  # two's complement nibbles
-                        high = np.float32(((byte >> 4) ^ 8) - 8)
-                        partial += low * x[b, 2 * j] + high * x[b, 2 * j + 1]
-                    total += partial * scales[row, g]
-                out[b, row] = total
+    half = group // 2
+    for row in numba.prange(packed.shape[0]):
+        for b in range(batch):
+            total = np.float32(0)
+            for g in range(n_in // group):
+                base, first = g * group, g * half
+                low = np.float32(0)
+                for j in range(half):  # nibble + 8 is the stored code: x's sum takes the 8 back out
+                    low += np.float32(packed[row, first + j] & np.uint8(15)) * x[b, base + j]
+                high = np.float32(0)
+                for j in range(half):
+                    high += np.float32(packed[row, first + j] >> np.uint8(4)) * x[b, base + half + j]
+                total += (low + high - np.float32(8) * x_sums[b, g]) * scales[row, g]
+            out[b, row] = total
 
 
 def matmul_numba(x: np.ndarray, matrix: QuantizedMatrix) -> np.ndarray:
@@ -117,10 +138,11 @@ def matmul_numba(x: np.ndarray, matrix: QuantizedMatrix) -> np.ndarray:
     x = np.ascontiguousarray(x, np.float32)
     out = np.empty((x.shape[0], matrix.n_out), np.float32)
     scales = matrix.scales.astype(np.float32)
-    if matrix.bits == 4 and matrix.group % 2:
-        return matmul_numpy(x, matrix)  # a group that splits a byte: the reference's order
-    kernel = _int4_rows if matrix.bits == 4 else _int8_rows
-    kernel(x, matrix.codes, scales, matrix.group, out)
+    if matrix.bits == 4:
+        x_sums = x.reshape(x.shape[0], -1, matrix.group).sum(-1)  # (B, G)
+        _int4_rows(x, x_sums, matrix.codes, scales, matrix.group, out)
+    else:
+        _int8_rows(x, matrix.codes, scales, matrix.group, out)
     return out
 
 
@@ -134,9 +156,10 @@ def matmul_torch(x, matrix: QuantizedMatrix):
     device = (backend.device if backend.name == "torch" else "cpu") if given_numpy else x.device
     xt = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(device) if given_numpy else x.float()
     codes = torch.from_numpy(matrix.codes).to(device)
-    if matrix.bits == 4:
-        nibbles = torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2).to(torch.int16)  # (n_out, n_in)
-        values = (nibbles ^ 8) - 8
+    if matrix.bits == 4:  # per group: the low nibbles are its first half, the high ones its second
+        nibbles = torch.stack([codes & 15, codes >> 4], dim=1).to(torch.int16)  # (n_out, 2, n_in / 2)
+        halves = nibbles.unflatten(-1, (-1, matrix.group // 2)).transpose(1, 2)  # (n_out, G, 2, group / 2)
+        values = (halves - 8).flatten(1)
     else:
         values = codes.to(torch.int16)
     scales = torch.from_numpy(matrix.scales.astype(np.float32)).to(device)
