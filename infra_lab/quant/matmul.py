@@ -106,9 +106,11 @@ def _int8_rows(x, codes, scales, group, out):  # (B, n_in) f32, (n_out, n_in) i8
         for b in range(batch):
             total = np.float32(0)
             for g in range(n_in // group):
-                base, partial = g * group, np.float32(0)  # the group's codes times x, then one scale
+                run = codes[row, g * group:(g + 1) * group]  # 1-D views: loops LLVM vectorizes
+                xs = x[b, g * group:(g + 1) * group]
+                partial = np.float32(0)  # the group's codes times x, then one scale
                 for i in range(group):
-                    partial += np.float32(codes[row, base + i]) * x[b, base + i]
+                    partial += np.float32(run[i]) * xs[i]
                 total += partial * scales[row, g]
             out[b, row] = total
 
@@ -121,13 +123,13 @@ def _int4_rows(x, x_sums, packed, scales, group, out):  # x_sums (B, G): each gr
         for b in range(batch):
             total = np.float32(0)
             for g in range(n_in // group):
-                base, first = g * group, g * half
-                low = np.float32(0)
-                for j in range(half):  # nibble + 8 is the stored code: x's sum takes the 8 back out
-                    low += np.float32(packed[row, first + j] & np.uint8(15)) * x[b, base + j]
-                high = np.float32(0)
-                for j in range(half):
-                    high += np.float32(packed[row, first + j] >> np.uint8(4)) * x[b, base + half + j]
+                run = packed[row, g * half:(g + 1) * half]
+                first, second = x[b, g * group:g * group + half], x[b, g * group + half:(g + 1) * group]
+                low, high = np.float32(0), np.float32(0)
+                for j in range(half):  # a nibble holds v + 8: x's group sum takes the 8 back out
+                    byte = np.int32(run[j])
+                    low += np.float32(byte & np.int32(15)) * first[j]
+                    high += np.float32(byte >> np.int32(4)) * second[j]
                 total += (low + high - np.float32(8) * x_sums[b, g]) * scales[row, g]
             out[b, row] = total
 
