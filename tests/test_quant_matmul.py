@@ -19,13 +19,17 @@ except ImportError:
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), bits=st.sampled_from([4, 8]), group=st.sampled_from([None, 2, 8, 32]),
-       batch=st.integers(1, 5), n_out=st.integers(1, 9))
-def test_every_face_computes_x_times_the_dequantized_matrix(seed, bits, group, batch, n_out):
+@given(seed=st.integers(0, 2**32 - 1), bits=st.sampled_from([3, 4, 8]),
+       group=st.sampled_from([None, 2, 8, 32]), batch=st.integers(1, 5), n_out=st.integers(1, 9),
+       input_scaled=st.booleans())
+def test_every_face_computes_x_times_the_dequantized_matrix(seed, bits, group, batch, n_out, input_scaled):
     rng = np.random.default_rng(seed)
     weights = rng.standard_normal((64, n_out)).astype(np.float32)
     x = rng.standard_normal((batch, 64)).astype(np.float32)
     matrix = QuantizedMatrix.quantize(weights, bits, group)
+    if input_scaled:  # as AWQ leaves it: W = diag(input_scale) (values * scales)^T
+        values, scales = matrix.values(), matrix.scales
+        matrix = QuantizedMatrix.from_values(values, scales, bits, group, rng.uniform(0.5, 2, 64))
     exact = x.astype(np.float64) @ matrix.dequantize().astype(np.float64)
     for face in FACES:
         assert np.allclose(face(x, matrix), exact, rtol=1e-4, atol=1e-4), face.__name__
@@ -51,7 +55,13 @@ def test_the_current_backend_picks_the_face():
 
 
 @pytest.mark.parametrize("call, error, message", [
-    (lambda: QuantizedMatrix.quantize(np.zeros((8, 2)), 3), ValueError, "8-bit or packed 4-bit codes; got bits=3"),
+    (lambda: QuantizedMatrix.quantize(np.zeros((8, 2)), 2), ValueError, "packed two to a byte; got bits=2"),
+    (lambda: QuantizedMatrix.from_values(np.full((2, 8), 4), np.ones((2, 1)), 3, None), ValueError,
+     r"3-bit values must be in \[-4, 3\]; got 4..4"),
+    (lambda: QuantizedMatrix.from_values(np.zeros((2, 8)), np.ones((2, 2)), 8, None), ValueError,
+     r"need scales \(2, 1\) for groups of 8; got \(2, 2\)"),
+    (lambda: QuantizedMatrix.from_values(np.zeros((2, 8)), np.ones((2, 1)), 8, None, np.ones(7)), ValueError,
+     r"input_scale must be \(8,\); got \(7,\)"),
     (lambda: QuantizedMatrix.quantize(np.zeros(8), 8), ValueError, r"need a matrix \(n_in, n_out\); got shape \(8,\)"),
     (lambda: QuantizedMatrix.quantize(np.zeros((10, 2)), 8, 4), ValueError, "divide the row of 10 values; got 4"),
     (lambda: QuantizedMatrix.quantize(np.zeros((9, 2)), 4, 3), ValueError, "the group size must be even; got 3"),

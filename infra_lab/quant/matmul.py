@@ -4,7 +4,9 @@ A decode step is a GEMV per weight matrix, bound by the bytes it reads (chapter 
 read in 4 bits instead of 32 can make it up to 8x faster, if the kernel turns the codes back
 into numbers faster than memory delivers them. W (n_in, n_out), as the model applies it, is kept
 transposed: row o holds output o's n_in weights, quantized along n_in in groups that each have
-one fp16 scale (formats.quantize_int), int8 as one byte per value or int4 packed two to a byte.
+one fp16 scale (formats.quantize_int), int8 as one byte per value, int4 (and 3-bit codes, which
+fit in a nibble) packed two to a byte. A method that rescales W's inputs first (AWQ's salient
+channels, SmoothQuant's migrated outliers) leaves an `input_scale` that multiplies x.
 Each output is then a sum over groups of scale times an integer dot product, and a row is one
 contiguous stream of bytes. Within a group of g int4 values, byte j holds value j in its low
 nibble and value j + g/2 in its high one (not formats.pack_int4's neighbours), each as v + 8 in
@@ -25,7 +27,7 @@ import numpy as np
 from infra_lab import backend as backends
 from infra_lab.quant import formats
 
-ROWS_PER_TASK = 4
+MATRIX_BITS = (3, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -33,40 +35,81 @@ class QuantizedMatrix:
     """W (n_in, n_out) stored as its transpose, quantized along n_in."""
     n_in: int
     n_out: int
-    bits: int  # 8, or 4 (packed two to a byte)
+    bits: int  # 8; or 4 or 3, packed two to a byte
     group: int  # inputs sharing a scale (n_in for one scale per output: per channel)
-    codes: np.ndarray  # int8 (n_out, n_in), or uint8 (n_out, n_in / 2) for int4
+    codes: np.ndarray  # int8 (n_out, n_in), or uint8 (n_out, n_in / 2) for 4 and 3 bits
     scales: np.ndarray  # fp16 (n_out, n_in / group)
+    input_scale: np.ndarray | None = None  # float32 (n_in,): x * input_scale is what meets the codes
 
     @classmethod
     def quantize(cls, weights: np.ndarray, bits: int, group: int | None = None) -> QuantizedMatrix:
-        """Round-to-nearest of W (n_in, n_out) to `bits` (8 or 4) with a scale per `group`
+        """Round-to-nearest of W (n_in, n_out) to `bits` (8, 4 or 3) with a scale per `group`
         inputs of each output (None: per channel)."""
         weights = np.asarray(weights, np.float32)
         if weights.ndim != 2:
             raise ValueError(f"need a matrix (n_in, n_out); got shape {weights.shape}")
-        if bits not in (4, 8):
-            raise ValueError(f"the matrix kernels read 8-bit or packed 4-bit codes; got bits={bits!r}")
-        n_in, n_out = weights.shape
+        check_bits(bits)
         values, scales = formats.quantize_int(weights.T, bits, group)  # (n_out, n_in), (n_out, n_groups)
+        return cls.from_values(values, scales, bits, group)
+
+    @classmethod
+    def from_values(cls, values: np.ndarray, scales: np.ndarray, bits: int, group: int | None,
+                    input_scale: np.ndarray | None = None) -> QuantizedMatrix:
+        """Wrap integer values (n_out, n_in) and fp16 scales (n_out, n_in / group) that a method
+        chose (round-to-nearest, GPTQ, AWQ): W (n_in, n_out) = diag(input_scale) (values * scales)^T."""
+        check_bits(bits)
+        values = np.asarray(values)
+        if values.ndim != 2:
+            raise ValueError(f"need values (n_out, n_in); got shape {values.shape}")
+        n_out, n_in = values.shape
         group = group or n_in
-        if bits == 4 and group % 2:
-            raise ValueError(f"int4 groups hold whole bytes: the group size must be even; got {group}")
-        codes = _pack_halves(values, group) if bits == 4 else values
-        return cls(n_in, n_out, bits, group, np.ascontiguousarray(codes), np.ascontiguousarray(scales))
+        if bits != 8 and group % 2:
+            raise ValueError(f"{bits}-bit groups hold whole bytes: the group size must be even; got {group}")
+        scales = np.asarray(scales, np.float16)
+        formats.groups_of(values, group)  # names a group that does not divide the row
+        if scales.shape != (n_out, n_in // group):
+            raise ValueError(f"need scales ({n_out}, {n_in // group}) for groups of {group}; got {scales.shape}")
+        q_max = 2 ** (bits - 1) - 1
+        if values.size and (values.min() < -q_max - 1 or values.max() > q_max):
+            raise ValueError(f"{bits}-bit values must be in [{-q_max - 1}, {q_max}]; got "
+                             f"{values.min()}..{values.max()}")
+        if input_scale is not None:
+            input_scale = np.ascontiguousarray(input_scale, np.float32)
+            if input_scale.shape != (n_in,):
+                raise ValueError(f"input_scale must be ({n_in},); got {input_scale.shape}")
+        values = values.astype(np.int8)
+        codes = values if bits == 8 else _pack_halves(values, group)
+        return cls(n_in, n_out, bits, group, np.ascontiguousarray(codes), np.ascontiguousarray(scales), input_scale)
 
     @property
     def nbytes(self) -> int:
-        """Bytes a product reads of W: the codes and the scales."""
-        return self.codes.nbytes + self.scales.nbytes
+        """Bytes a product reads of W: the codes, the scales and any input scale."""
+        extra = 0 if self.input_scale is None else self.input_scale.nbytes
+        return self.codes.nbytes + self.scales.nbytes + extra
+
+    @property
+    def packed_nbytes(self) -> float:
+        """The size at `bits` per value, packed densely (3-bit codes sit in nibbles here), with the
+        fp16 scales and any input scale stored in fp16."""
+        extra = 0 if self.input_scale is None else formats.SCALE_BYTES * self.n_in
+        return self.n_in * self.n_out * self.bits / 8 + self.scales.nbytes + extra
 
     def values(self) -> np.ndarray:
         """The integer codes as int8 (n_out, n_in), unpacked."""
-        return _unpack_halves(self.codes, self.group) if self.bits == 4 else self.codes
+        return self.codes if self.bits == 8 else _unpack_halves(self.codes, self.group)
 
     def dequantize(self) -> np.ndarray:
-        """W (n_in, n_out) as the codes and scales give it back, float32."""
-        return formats.dequantize_int(self.values(), self.scales, self.group).T
+        """W (n_in, n_out) as the codes and scales give it back, float32, the input scale folded
+        in: x @ dequantize() is the product."""
+        weights = formats.dequantize_int(self.values(), self.scales, self.group).T
+        return weights if self.input_scale is None else weights * self.input_scale[:, None]
+
+
+def check_bits(bits) -> int:
+    if isinstance(bits, bool) or bits not in MATRIX_BITS:
+        raise ValueError(f"the matrix kernels read 8-bit codes, or 4- and 3-bit codes packed two to a byte; "
+                         f"got bits={bits!r}")
+    return bits
 
 
 def _pack_halves(values: np.ndarray, group: int) -> np.ndarray:
@@ -91,6 +134,10 @@ def _check(x, matrix: QuantizedMatrix) -> None:
     if len(x.shape) != 2 or x.shape[1] != matrix.n_in:
         raise ValueError(f"x must be (batch, {matrix.n_in}) for a ({matrix.n_in}, {matrix.n_out}) matrix; "
                          f"got {tuple(x.shape)}")
+
+
+def _scaled(x, matrix: QuantizedMatrix):
+    return x if matrix.input_scale is None else np.asarray(x, np.float32) * matrix.input_scale
 
 
 def matmul_numpy(x: np.ndarray, matrix: QuantizedMatrix) -> np.ndarray:
@@ -135,12 +182,12 @@ def _int4_rows(x, x_sums, packed, scales, group, out):  # x_sums (B, G): each gr
 
 
 def matmul_numba(x: np.ndarray, matrix: QuantizedMatrix) -> np.ndarray:
-    """CPU: each task streams four rows of codes once for every row of x."""
+    """CPU: each thread streams its rows of codes once for every row of x."""
     _check(x, matrix)
-    x = np.ascontiguousarray(x, np.float32)
+    x = np.ascontiguousarray(_scaled(x, matrix), np.float32)
     out = np.empty((x.shape[0], matrix.n_out), np.float32)
     scales = matrix.scales.astype(np.float32)
-    if matrix.bits == 4:
+    if matrix.bits != 8:
         x_sums = x.reshape(x.shape[0], -1, matrix.group).sum(-1)  # (B, G)
         _int4_rows(x, x_sums, matrix.codes, scales, matrix.group, out)
     else:
@@ -158,7 +205,9 @@ def matmul_torch(x, matrix: QuantizedMatrix):
     device = (backend.device if backend.name == "torch" else "cpu") if given_numpy else x.device
     xt = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(device) if given_numpy else x.float()
     codes = torch.from_numpy(matrix.codes).to(device)
-    if matrix.bits == 4:  # per group: the low nibbles are its first half, the high ones its second
+    if matrix.input_scale is not None:
+        xt = xt * torch.from_numpy(matrix.input_scale).to(device)
+    if matrix.bits != 8:  # per group: the low nibbles are its first half, the high ones its second
         nibbles = torch.stack([codes & 15, codes >> 4], dim=1).to(torch.int16)  # (n_out, 2, n_in / 2)
         halves = nibbles.unflatten(-1, (-1, matrix.group // 2)).transpose(1, 2)  # (n_out, G, 2, group / 2)
         values = (halves - 8).flatten(1)
