@@ -172,12 +172,12 @@ def _int4_rows(x, x_sums, packed, scales, group, out):  # x_sums (B, G): each gr
             for g in range(n_in // group):
                 run = packed[row, g * half:(g + 1) * half]
                 first, second = x[b, g * group:g * group + half], x[b, g * group + half:(g + 1) * group]
-                low, high = np.float32(0), np.float32(0)
+                partial = np.float32(0)
                 for j in range(half):  # a nibble holds v + 8: x's group sum takes the 8 back out
                     byte = np.int32(run[j])
-                    low += np.float32(byte & np.int32(15)) * first[j]
-                    high += np.float32(byte >> np.int32(4)) * second[j]
-                total += (low + high - np.float32(8) * x_sums[b, g]) * scales[row, g]
+                    high = byte >> 4
+                    partial += np.float32(byte - (high << 4)) * first[j] + np.float32(high) * second[j]
+                total += (partial - np.float32(8) * x_sums[b, g]) * scales[row, g]
             out[b, row] = total
 
 
