@@ -46,7 +46,7 @@ class FloatFormat:
 E4M3 = FloatFormat("fp8-e4m3", 4, 3, 7, 448.0, saturates=True)
 E5M2 = FloatFormat("fp8-e5m2", 5, 2, 15, 57344.0, saturates=False)
 FP16 = FloatFormat("fp16", 5, 10, 15, 65504.0, saturates=False)
-BF16 = FloatFormat("bf16", 8, 7, 127, float(np.finfo(np.float32).max), saturates=False)  # bf16's max ~ fp32's
+BF16 = FloatFormat("bf16", 8, 7, 127, (2 - 2**-7) * 2.0**127, saturates=False)  # just under fp32's max
 
 
 def round_float(x, fmt: FloatFormat) -> np.ndarray:
