@@ -1,8 +1,9 @@
 """The model in torch: for training, and for inference on a GPU (or on the CPU, as a peer).
 
 Weights are stored as (in, out) matrices and applied as x @ W, the same layout the numpy path
-reads, so one weight file serves both. Shapes: B batch, T tokens, d model width, H heads,
-K KV heads, Dh head size.
+reads, so one weight file serves both. Every matrix is applied through one method, `mm(h, name)`,
+so that a subclass can change how (model.quantized fake-quantizes activations there).
+Shapes: B batch, T tokens, d model width, H heads, K KV heads, Dh head size.
 """
 from __future__ import annotations
 
@@ -52,6 +53,11 @@ class TorchTransformer(nn.Module):
     def w(self, name: str) -> torch.Tensor:
         return self.weights[name.replace(".", "__")]
 
+    def mm(self, h: torch.Tensor, name: str) -> torch.Tensor:
+        """h (..., n_in) @ the weight `name` (n_in, n_out) -> (..., n_out): the one place the model
+        multiplies by a weight matrix (wq, wk, wv, wo, w_gate, w_up, w_down, lm_head)."""
+        return h @ self.w(name)
+
     def numpy_weights(self) -> dict:
         return {name.replace("__", "."): p.detach().cpu().numpy() for name, p in self.weights.items()}
 
@@ -59,17 +65,18 @@ class TorchTransformer(nn.Module):
         """Layer i's rotated queries (..., T, H, Dh), rotated keys and values (..., T, K, Dh)."""
         c = self.config
         h = rmsnorm(x, self.w(f"layers.{i}.attn_norm"))
-        q = (h @ self.w(f"layers.{i}.wq")).unflatten(-1, (c.n_heads, c.head_dim))
-        k = (h @ self.w(f"layers.{i}.wk")).unflatten(-1, (c.n_kv_heads, c.head_dim))
-        v = (h @ self.w(f"layers.{i}.wv")).unflatten(-1, (c.n_kv_heads, c.head_dim))
+        q = self.mm(h, f"layers.{i}.wq").unflatten(-1, (c.n_heads, c.head_dim))
+        k = self.mm(h, f"layers.{i}.wk").unflatten(-1, (c.n_kv_heads, c.head_dim))
+        v = self.mm(h, f"layers.{i}.wv").unflatten(-1, (c.n_kv_heads, c.head_dim))
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (T, 1, Dh/2): the same angle for every head
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def _finish_layer(self, x: torch.Tensor, attended: torch.Tensor, i: int) -> torch.Tensor:
         """x plus attention's output projected, plus the SwiGLU MLP: (..., T, d)."""
-        x = x + attended.flatten(-2) @ self.w(f"layers.{i}.wo")
+        x = x + self.mm(attended.flatten(-2), f"layers.{i}.wo")
         h = rmsnorm(x, self.w(f"layers.{i}.mlp_norm"))
-        return x + (F.silu(h @ self.w(f"layers.{i}.w_gate")) * (h @ self.w(f"layers.{i}.w_up"))) @ self.w(f"layers.{i}.w_down")
+        gated = F.silu(self.mm(h, f"layers.{i}.w_gate")) * self.mm(h, f"layers.{i}.w_up")  # (..., T, d_ff)
+        return x + self.mm(gated, f"layers.{i}.w_down")
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Training and scoring: tokens (B, T), whole sequences -> logits (B, T, vocab)."""
@@ -81,7 +88,7 @@ class TorchTransformer(nn.Module):
             k, v = k.repeat_interleave(c.group, dim=1), v.repeat_interleave(c.group, dim=1)
             attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, Dh)
             x = self._finish_layer(x, attended.transpose(1, 2), i)
-        return rmsnorm(x, self.w("final_norm")) @ self.w("lm_head")
+        return self.mm(rmsnorm(x, self.w("final_norm")), "lm_head")
 
     def step(self, tokens: torch.Tensor, meta, kv) -> torch.Tensor:
         """Inference: one step over a batch laid out by `meta` (kv.metadata.StepMetadata), tokens
@@ -101,4 +108,4 @@ class TorchTransformer(nn.Module):
             else:
                 attended = extend_attention.extend_attention_torch(q, kv.k[i], kv.v[i], tables, starts, context)
             x = self._finish_layer(x, attended, i)
-        return rmsnorm(x, self.w("final_norm")) @ self.w("lm_head")
+        return self.mm(rmsnorm(x, self.w("final_norm")), "lm_head")

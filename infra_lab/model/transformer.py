@@ -5,6 +5,9 @@ numpy and numba here or in torch (model.torch_model). RMSNorm (Zhang and Sennric
 rotary positions (Su et al., 2021), SwiGLU (Shazeer, 2020) and grouped-query attention
 (Ainslie et al., 2023), as in LLaMA.
 
+Every matrix the model applies goes through one method, `linear(x, key, backend)`, so that a
+subclass can change how a matrix is applied (model.quantized reads them quantized).
+
 Shapes: N or T new tokens, d model width, H query heads, K KV heads, Dh head size.
 """
 from __future__ import annotations
@@ -17,7 +20,7 @@ from infra_lab.kv.contiguous import ContiguousKVCache
 from infra_lab.kv.metadata import StepMetadata
 from infra_lab.kv.paged import PagedKVCache
 from infra_lab.model import weights as weight_files
-from infra_lab.model.config import ModelConfig
+from infra_lab.model.config import ModelConfig, weight_shapes
 
 
 def rmsnorm(x: np.ndarray, gain: np.ndarray, eps: float = 1e-5) -> np.ndarray:
@@ -30,6 +33,38 @@ def rope_at(config: ModelConfig, positions: np.ndarray) -> tuple[np.ndarray, np.
     inverse = config.rope_theta ** (-np.arange(half, dtype=np.float64) / half)
     angles = np.asarray(positions, np.float64)[:, None] * inverse[None, :]
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+# Matrices that read the same input, side by side, so that each is one matmul (vLLM's
+# QKVParallelLinear and MergedColumnParallelLinear do the same): key suffix -> the weights it joins
+FUSED = {"qkv": ("wq", "wk", "wv"), "gate_up": ("w_gate", "w_up")}
+LAYER_MATRICES = ("qkv", "wo", "gate_up", "w_down")  # each layer's, in the order a token meets them
+
+
+def parts_of(key: str) -> list[str]:
+    """The weight names a matrices_of key joins: "layers.0.qkv" -> layers.0.wq, .wk, .wv; "lm_head" -> itself."""
+    layer, _, suffix = key.rpartition(".")
+    return [f"{layer}.{n}" for n in FUSED[suffix]] if suffix in FUSED else [key]
+
+
+def matrices_of(config: ModelConfig, weights: dict) -> dict[str, np.ndarray]:
+    """Key -> the (n_in, n_out) matrix `linear` applies: per layer i "layers.{i}.qkv" (d, (H + 2K) Dh),
+    "layers.{i}.wo" (H Dh, d), "layers.{i}.gate_up" (d, 2 d_ff), "layers.{i}.w_down" (d_ff, d); then
+    "lm_head" (d, vocab)."""
+    matrices = {}
+    for key in [f"layers.{i}.{m}" for i in range(config.n_layers) for m in LAYER_MATRICES] + ["lm_head"]:
+        parts = [weights[name] for name in parts_of(key)]
+        matrices[key] = np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+    return matrices
+
+
+def split_fused(config: ModelConfig, key: str, matrix: np.ndarray) -> dict[str, np.ndarray]:
+    """The inverse of matrices_of for one key: weight name -> its columns of `matrix`."""
+    names = parts_of(key)
+    widths = [weight_shapes(config)[name][1] for name in names]
+    if sum(widths) != matrix.shape[1]:
+        raise ValueError(f"{key} joins {', '.join(names)} ({sum(widths)} columns); got shape {matrix.shape}")
+    return dict(zip(names, np.split(matrix, np.cumsum(widths)[:-1], axis=1)))
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
@@ -46,17 +81,17 @@ class Transformer:
         self.w = {name: np.ascontiguousarray(value, np.float32) for name, value in weights.items()}
         self.figures = figures or {}
         self._torch_models: dict = {}
-        # Matrices that read the same input, side by side, so that each is one matmul (vLLM's
-        # QKVParallelLinear and MergedColumnParallelLinear do the same): (d, (H + 2K) Dh), (d, 2 d_ff)
-        self.w_qkv = [np.concatenate([self.w[f"layers.{i}.{n}"] for n in ("wq", "wk", "wv")], axis=1)
-                      for i in range(config.n_layers)]
-        self.w_gate_up = [np.concatenate([self.w[f"layers.{i}.w_gate"], self.w[f"layers.{i}.w_up"]], axis=1)
-                          for i in range(config.n_layers)]
+        self.matrices: dict[str, np.ndarray] = matrices_of(config, self.w)  # key -> (n_in, n_out)
         self.rope_cos, self.rope_sin = rope_at(config, np.arange(config.context))  # (context, Dh/2) each
 
     @property
     def n_params(self) -> int:
         return sum(value.size for value in self.w.values())
+
+    def linear(self, x: np.ndarray, key: str, backend: backends.Backend) -> np.ndarray:
+        """x (T, n_in) @ the matrix `key` (matrices_of) -> (T, n_out), on numpy or numba: the one
+        place the model multiplies by a weight matrix."""
+        return x @ self.matrices[key]
 
     # ---- caches ----------------------------------------------------------------------------
 
@@ -98,11 +133,12 @@ class Transformer:
         attend = self._attention_for(meta, c.n_kv_heads, backend)
         x = w["embed"][tokens]  # (N, d)
         for i in range(c.n_layers):
-            q, k, v = self._qkv(x, i, cos, sin)
+            q, k, v = self._qkv(x, i, cos, sin, backend)
             kv.store(i, meta.slot_mapping, k, v)
             attended = attend(q, kv.k[i], kv.v[i])  # (N, H, Dh)
-            x = self._mlp(x + attended.reshape(len(tokens), c.d_model) @ w[f"layers.{i}.wo"], i)
-        return rmsnorm(x, w["final_norm"]) @ w["lm_head"]
+            x = self._mlp(x + self.linear(attended.reshape(len(tokens), c.n_heads * c.head_dim),
+                                          f"layers.{i}.wo", backend), i, backend)
+        return self.linear(rmsnorm(x, w["final_norm"]), "lm_head", backend)
 
     @staticmethod
     def _attention_for(meta: StepMetadata, n_kv_heads: int, backend: backends.Backend):
@@ -122,27 +158,32 @@ class Transformer:
         return lambda q, k_pool, v_pool: np.asarray(
             extend_attention.extend_attention(q, k_pool, v_pool, tables, starts, context, backend), np.float32)
 
-    def _qkv(self, x: np.ndarray, i: int, cos: np.ndarray, sin: np.ndarray) -> tuple:
+    def _qkv(self, x: np.ndarray, i: int, cos: np.ndarray, sin: np.ndarray, backend: backends.Backend) -> tuple:
         """Layer i's queries (T, H, Dh), rotated keys (T, K, Dh) and values (T, K, Dh) for x (T, d):
         one matmul for all three, and one rotation for the queries and keys together."""
         c = self.config
-        qkv = (rmsnorm(x, self.w[f"layers.{i}.attn_norm"]) @ self.w_qkv[i]).reshape(
+        qkv = self.linear(rmsnorm(x, self.w[f"layers.{i}.attn_norm"]), f"layers.{i}.qkv", backend).reshape(
             len(x), c.n_heads + 2 * c.n_kv_heads, c.head_dim)
         rotated = apply_rope(qkv[:, : c.n_heads + c.n_kv_heads], cos, sin)
         return rotated[:, : c.n_heads], rotated[:, c.n_heads:], qkv[:, c.n_heads + c.n_kv_heads:]
 
-    def _mlp(self, x: np.ndarray, i: int) -> np.ndarray:
+    def _mlp(self, x: np.ndarray, i: int, backend: backends.Backend) -> np.ndarray:
         """x plus layer i's SwiGLU MLP of x: (T, d) -> (T, d); gate and up in one matmul."""
-        gate, up = np.split(rmsnorm(x, self.w[f"layers.{i}.mlp_norm"]) @ self.w_gate_up[i], 2, axis=1)
-        return x + (gate / (1 + np.exp(-gate)) * up) @ self.w[f"layers.{i}.w_down"]
+        gate_up = self.linear(rmsnorm(x, self.w[f"layers.{i}.mlp_norm"]), f"layers.{i}.gate_up", backend)
+        gate, up = np.split(gate_up, 2, axis=1)  # (T, d_ff) each
+        return x + self.linear(gate / (1 + np.exp(-gate)) * up, f"layers.{i}.w_down", backend)
+
+    def to_torch(self):
+        """This model as a TorchTransformer on the CPU: the torch backend's face of `step`."""
+        from infra_lab.model.torch_model import TorchTransformer
+
+        return TorchTransformer(self.config, self.w)
 
     def _step_torch(self, tokens: np.ndarray, meta: StepMetadata, kv, device: str) -> np.ndarray:
         import torch
 
-        from infra_lab.model.torch_model import TorchTransformer
-
         if device not in self._torch_models:
-            self._torch_models[device] = TorchTransformer(self.config, self.w).to(device).eval()
+            self._torch_models[device] = self.to_torch().to(device).eval()
         with torch.no_grad():
             logits = self._torch_models[device].step(torch.from_numpy(tokens).to(device), meta, kv)
         return logits.float().cpu().numpy()
