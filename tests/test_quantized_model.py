@@ -11,6 +11,7 @@ from infra_lab.model import corpus, quantized
 from infra_lab.model.quantized import QuantizedTransformer, calibration_inputs, quantize_model
 from infra_lab.model.torch_model import TorchTransformer
 from infra_lab.model.transformer import Transformer, parts_of, rmsnorm
+from infra_lab.quant.matmul import QuantizedMatrix
 from infra_lab.serving.config import EngineConfig
 from infra_lab.serving.engine import Engine
 from infra_lab.serving.request import SamplingParams
@@ -214,7 +215,8 @@ def test_sizes_and_names(target, quantized_models):
 # ---- bad arguments -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("method, bits, group, message", [
-    ("nf4", 4, None, "method must be one of 'rtn', 'awq', 'gptq', 'smoothquant'; got 'nf4'"),
+    ("nf4", 4, None, "method must be one of 'rtn', 'awq', 'gptq', 'smoothquant', or a function "
+                     r"\(weights, inputs, bits, group\) -> QuantizedMatrix; got 'nf4'"),
     ("rtn", 5, None, "rtn quantizes to 8, 4 or 3 bits; got bits=5"),
     ("gptq", True, None, "gptq quantizes to 8, 4 or 3 bits; got bits=True"),
     ("smoothquant", 4, None, r"smoothquant quantizes to 8 bits \(W8A8: int8 weights and activations\); got bits=4"),
@@ -264,3 +266,35 @@ def test_a_quantized_model_takes_only_its_layers_matrices(target):
     with pytest.raises(ValueError, match=r"smoothquant is W8A8: its matrices must be int8 per channel; got \(bits, "
                                          r"group\) \{\(4, None\)\}"):
         QuantizedTransformer(target.config, target.w, {"layers.1.wo": mixed["layers.1.wo"]}, "smoothquant")
+
+
+def test_a_method_of_ones_own_quantizes_like_the_named_one(target, calibration):
+    keys = quantized.quantized_keys(target.config)
+    original = {key: target.matrices[key].copy() for key in keys}
+    seen = []
+
+    def my_rtn(weights, inputs, bits, group):
+        seen.append(inputs.shape[1])
+        result = QuantizedMatrix.quantize(weights, bits, group)
+        weights[:] = 0  # a copy: the model's own matrix must not change
+        return result
+
+    mine = quantize_model(target, my_rtn, 4, 32, calibration)
+    named = quantize_model(target, "rtn", 4, 32)
+    assert mine.name == "my_rtn int4 g32"
+    assert seen == [calibration[key].shape[1] for key in keys]
+    assert all(np.array_equal(mine.w[k], named.w[k]) for k in named.w)
+    assert all(np.array_equal(target.matrices[k], original[k]) for k in keys)
+
+    def wrong(weights, inputs, bits, group):
+        return weights
+
+    with pytest.raises(ValueError, match=r"layers.0.qkv: wrong must return a QuantizedMatrix .*; got ndarray"):
+        quantize_model(target, wrong, 4, 32, calibration)
+
+    def eight_bits(weights, inputs, bits, group):
+        return QuantizedMatrix.quantize(weights, 8)
+
+    with pytest.raises(ValueError, match=r"layers.0.qkv: eight_bits returned a 8-bit \(128, 256\) matrix for a 4-bit "
+                                         r"\(128, 256\) one"):
+        quantize_model(target, eight_bits, 4, 32, calibration)

@@ -92,27 +92,37 @@ def _prefill(model: Transformer, windows: np.ndarray, backend: backends.Backend)
 
 # ---- quantizing ----------------------------------------------------------------------------------
 
-def quantize_model(model: Transformer, method: str, bits: int, group: int | None = None,
+def quantize_model(model: Transformer, method, bits: int, group: int | None = None,
                    calibration: dict | None = None, *, progress: bool = False, **options) -> QuantizedTransformer:
     """`model` with its layers' matrices quantized by `method` (METHODS) to `bits` with a scale per
     `group` inputs of each output (None: per channel). awq, gptq and smoothquant fit each matrix to
     `calibration` (calibration_inputs' dict), made with its defaults when None; rtn needs none.
-    `options` go to the method: gptq's damp, awq's grid, smoothquant's alpha. The model is not
-    changed; a bad argument is named before any work is done."""
+    `method` may also be a function of one's own, `method(weights (n_in, n_out), inputs (n, n_in),
+    bits, group) -> QuantizedMatrix` (chapter 08's last exercise), calibrated like gptq and named
+    after the function. `options` go to the method: gptq's damp, awq's grid, smoothquant's alpha.
+    The model is not changed; a bad argument is named before any work is done."""
     if isinstance(model, QuantizedTransformer):
         raise ValueError(f"quantize the float model, not a quantized one ({model.name})")
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {', '.join(map(repr, METHODS))}; got {method!r}")
-    if isinstance(bits, bool) or bits not in METHOD_BITS[method]:
-        *most, last = METHOD_BITS[method]
+    custom = method if callable(method) else None
+    if custom is not None:
+        method = getattr(custom, "__name__", "custom")
+        if method in METHODS:
+            method = f"{method} (own)"
+    elif method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(map(repr, METHODS))}, or a function "
+                         f"(weights, inputs, bits, group) -> QuantizedMatrix; got {method!r}")
+    allowed_bits = METHOD_BITS.get(method, METHOD_BITS["gptq"])
+    if isinstance(bits, bool) or bits not in allowed_bits:
+        *most, last = allowed_bits
         allowed = f"{', '.join(map(str, most))} or {last}" if most else str(last)
         why = " (W8A8: int8 weights and activations)" if method == "smoothquant" else ""
         raise ValueError(f"{method} quantizes to {allowed} bits{why}; got bits={bits!r}")
+    calibrated = custom is not None or method in NEEDS_CALIBRATION
     keys = quantized_keys(model.config)
     _check_group(method, bits, group, {key: model.matrices[key].shape[0] for key in keys})
     if method == "rtn" and options:
         raise ValueError(f"rtn takes no options; got {', '.join(sorted(options))}")
-    if method in NEEDS_CALIBRATION:
+    if calibrated:
         calibration = calibration_inputs(model) if calibration is None else calibration
         missing = [key for key in keys if key not in calibration]
         if missing:
@@ -123,8 +133,9 @@ def quantize_model(model: Transformer, method: str, bits: int, group: int | None
     quantized = {}
     for key in progress_bars.bar(keys, desc=f"{method} int{bits}", show=progress):
         try:
-            quantized[key] = _quantize_one(model.matrices[key], method, bits, group,
-                                           calibration[key] if method in NEEDS_CALIBRATION else None, options)
+            inputs = calibration[key] if calibrated else None
+            quantized[key] = (_own(custom, model.matrices[key], inputs, bits, group, options) if custom else
+                              _quantize_one(model.matrices[key], method, bits, group, inputs, options))
         except ValueError as error:
             raise ValueError(f"{key}: {error}") from None
     return QuantizedTransformer(model.config, model.w, quantized, method, model.figures)
@@ -144,6 +155,19 @@ def _check_group(method: str, bits: int, group, n_ins: dict[str, int]) -> None:
         raise ValueError(f"group must divide every quantized row (the {n_ins[bad]} inputs of {bad}, among "
                          f"others){' and be even for packed codes' if bits != 8 else ''}: one of "
                          f"{', '.join(map(str, allowed))}, or None; got {group!r}")
+
+
+def _own(function, weights: np.ndarray, inputs: np.ndarray, bits: int, group, options: dict) -> QuantizedMatrix:
+    """A function of one's own, given copies, so it cannot change the model; it must return a
+    QuantizedMatrix of the matrix's shape at `bits`."""
+    matrix = function(weights.copy(), inputs.copy(), bits, group, **options)
+    if not isinstance(matrix, QuantizedMatrix):
+        raise ValueError(f"{getattr(function, '__name__', 'the method')} must return a QuantizedMatrix "
+                         f"(QuantizedMatrix.from_values(values, scales, bits, group)); got {type(matrix).__name__}")
+    if (matrix.n_in, matrix.n_out) != weights.shape or matrix.bits != bits:
+        raise ValueError(f"{getattr(function, '__name__', 'the method')} returned a {matrix.bits}-bit "
+                         f"({matrix.n_in}, {matrix.n_out}) matrix for a {bits}-bit {weights.shape} one")
+    return matrix
 
 
 def _quantize_one(weights: np.ndarray, method: str, bits: int, group, inputs, options: dict) -> QuantizedMatrix:
@@ -173,8 +197,9 @@ class QuantizedTransformer(Transformer):
 
     def __init__(self, config: ModelConfig, weights: dict, quantized: dict[str, QuantizedMatrix], method: str,
                  figures: dict | None = None):
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {', '.join(map(repr, METHODS))}; got {method!r}")
+        if not isinstance(method, str) or not method:
+            raise ValueError(f"method must name the method (one of {', '.join(map(repr, METHODS))}, or one's "
+                             f"own); got {method!r}")
         floats = matrices_of(config, weights)
         kinds = {(m.bits, m.group if m.group != m.n_in else None) for m in quantized.values()}
         if len(kinds) != 1:
