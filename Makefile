@@ -56,7 +56,7 @@ chromium:
 # the suite is single-threaded Python. The grader's tests time hangs and floods, so they run
 # afterwards, alone.
 test: book chromium
-	$(BIN)/python -m pytest tests solutions --nbval-lax -q -n 2 --dist loadfile -m "not grader"
+	$(BIN)/python -m pytest tests solutions --nbval-lax -q -n 2 --dist loadfile -m "not grader" --durations=25
 	$(BIN)/python -m pytest tests -q -m grader
 
 exercises: $(STAMP)
