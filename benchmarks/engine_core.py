@@ -50,6 +50,33 @@ def median_interval(values: list[float], confidence: float = 0.95) -> tuple[floa
     return (ordered[k - 1], ordered[n - k]) if k else (ordered[0], ordered[-1])
 
 
+def write_sections(out, script: str, order: tuple[str, ...], sections: dict, extra: dict, only: bool,
+                   began: float, load_before: float) -> None:
+    """Write a sectioned benchmark's figures to `out` (JSON): the machine, date and command, the
+    run's `extra` settings, the load before and after, and each section in `order`. A run of some
+    sections only (`only`) keeps the others from the file, naming the command that measured them."""
+    import os
+    import sys
+    from pathlib import Path
+
+    figures = {"machine": f"{hardware._cpu_name()}, {backend.threads()} threads",
+               "measured_on": datetime.date.today().isoformat(),
+               "command": "python " + " ".join([script] + sys.argv[1:]),
+               "backend": backend.describe(), **extra,
+               "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
+               "seconds": time.perf_counter() - began, "sections": dict(sections)}
+    out = Path(out)
+    if only and out.is_file():  # keep the sections this run did not measure
+        earlier = json.loads(out.read_text())
+        kept = {k: v for k, v in earlier.get("sections", {}).items() if k not in sections}
+        figures["sections"] = {k: (sections | kept)[k] for k in order if k in sections | kept}
+        figures["kept_from_earlier"] = {k: earlier.get("kept_from_earlier", {}).get(k) or earlier.get("command")
+                                        for k in kept}
+    figures["bars_passed"] = {k: v.get("passed") for k, v in figures["sections"].items()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(figures, indent=1, default=float) + "\n")
+
+
 def median_seconds(run, rounds_out: list[float]):
     started = time.perf_counter()
     run()

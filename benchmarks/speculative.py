@@ -29,8 +29,6 @@ BLAS threads fight numba's.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import statistics
 import sys
@@ -39,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from infra_lab import backend, hardware, model
+from infra_lab import backend, model
 from infra_lab.model import tokenizer
 from infra_lab.model.generate import generate, generate_many
 from infra_lab.serving import exactness, traffic
@@ -50,7 +48,7 @@ from infra_lab.serving.request import SamplingParams
 from infra_lab.serving.speculative import accept_all, best_gamma, expected_tokens, speculative_generate, speedup
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_core import median_interval  # noqa: E402  (one helper for the intervals of every benchmark)
+from engine_core import median_interval, write_sections  # noqa: E402  (one helper for the intervals of every benchmark)
 
 RESULTS = Path(__file__).parent / "results" / "speculative.json"
 GAMMAS = (1, 2, 3, 4, 5, 6, 8)
@@ -323,22 +321,9 @@ def main() -> None:
 
 
 def write(out: Path, args, sizes: dict, sections: dict, began: float, load_before: float) -> None:
-    figures = {"machine": f"{hardware._cpu_name()}, {backend.threads()} threads",
-               "measured_on": datetime.date.today().isoformat(),
-               "command": "python " + " ".join(["benchmarks/speculative.py"] + sys.argv[1:]),
-               "backend": backend.describe(), "quick": args.quick, "seed": args.seed, "sizes": sizes,
-               "blas_threads": args.blas_threads,
-               "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
-               "seconds": time.perf_counter() - began, "sections": dict(sections)}
-    if args.only and out.is_file():  # keep the sections this run did not measure
-        earlier = json.loads(out.read_text())
-        kept = {k: v for k, v in earlier.get("sections", {}).items() if k not in sections}
-        figures["sections"] = {k: (sections | kept)[k] for k in SECTIONS if k in sections | kept}
-        figures["kept_from_earlier"] = {k: earlier.get("kept_from_earlier", {}).get(k) or earlier.get("command")
-                                        for k in kept}
-    figures["bars_passed"] = {k: v.get("passed") for k, v in figures["sections"].items()}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(figures, indent=1, default=float) + "\n")
+    write_sections(out, "benchmarks/speculative.py", SECTIONS, sections,
+                   {"quick": args.quick, "seed": args.seed, "sizes": sizes,
+                    "blas_threads": args.blas_threads}, bool(args.only), began, load_before)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,9 @@ nibble and value j + g/2 in its high one (not formats.pack_int4's neighbours), e
 once per group with the sum of x.
 
 Three faces: numpy dequantizes W and multiplies (the reference); numba streams each row's codes
-in plain loops over contiguous runs, which LLVM vectorizes; torch dequantizes on the tensors'
+in plain loops over contiguous runs, which LLVM vectorizes (for int4 it never splits a byte into
+two nibbles: byte * x_j + (byte >> 4) * (x_(j+g/2) - 16 x_j) is low * x_j + high * x_(j+g/2), so
+one shift per byte does, with x's side prepared once per call); torch dequantizes on the tensors'
 device and multiplies there.
 """
 from __future__ import annotations
@@ -163,21 +165,22 @@ def _int8_rows(x, codes, scales, group, out):  # (B, n_in) f32, (n_out, n_in) i8
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True)
-def _int4_rows(x, x_sums, packed, scales, group, out):  # x_sums (B, G): each group's sum of x
-    batch, n_in = x.shape
+def _int4_rows(x_first, x_rest, x_sums, packed, scales, group, out):
+    # x_first (B, n_in / 2): each group's first half of x; x_rest: its second half minus 16 times
+    # the first; x_sums (B, G): each group's sum of x; packed (n_out, n_in / 2) u8; out (B, n_out)
+    batch = x_first.shape[0]
     half = group // 2
     for row in numba.prange(packed.shape[0]):
         for b in range(batch):
             total = np.float32(0)
-            for g in range(n_in // group):
-                run = packed[row, g * half:(g + 1) * half]
-                first, second = x[b, g * group:g * group + half], x[b, g * group + half:(g + 1) * group]
+            for g in range(x_first.shape[1] // half):
+                run = packed[row, g * half:(g + 1) * half]  # 1-D views: loops LLVM vectorizes
+                first, rest = x_first[b, g * half:(g + 1) * half], x_rest[b, g * half:(g + 1) * half]
                 partial = np.float32(0)
-                for j in range(half):  # a nibble holds v + 8: x's group sum takes the 8 back out
-                    byte = np.int32(run[j])
-                    high = byte >> 4
-                    partial += np.float32(byte - (high << 4)) * first[j] + np.float32(high) * second[j]
-                total += (partial - np.float32(8) * x_sums[b, g]) * scales[row, g]
+                for j in range(half):  # byte = low + 16 high, so byte * first + high * rest
+                    byte = np.int32(run[j])  # = low * first + high * second
+                    partial += np.float32(byte) * first[j] + np.float32(byte >> 4) * rest[j]
+                total += (partial - np.float32(8) * x_sums[b, g]) * scales[row, g]  # nibbles hold v + 8
             out[b, row] = total
 
 
@@ -188,8 +191,11 @@ def matmul_numba(x: np.ndarray, matrix: QuantizedMatrix) -> np.ndarray:
     out = np.empty((x.shape[0], matrix.n_out), np.float32)
     scales = matrix.scales.astype(np.float32)
     if matrix.bits != 8:
-        x_sums = x.reshape(x.shape[0], -1, matrix.group).sum(-1)  # (B, G)
-        _int4_rows(x, x_sums, matrix.codes, scales, matrix.group, out)
+        halves = x.reshape(x.shape[0], -1, 2, matrix.group // 2)  # (B, G, 2, group / 2)
+        x_first = np.ascontiguousarray(halves[:, :, 0]).reshape(x.shape[0], -1)
+        x_rest = np.ascontiguousarray(halves[:, :, 1] - 16 * halves[:, :, 0]).reshape(x.shape[0], -1)
+        x_sums = halves.sum((2, 3))  # (B, G)
+        _int4_rows(x_first, x_rest, x_sums, matrix.codes, scales, matrix.group, out)
     else:
         _int8_rows(x, matrix.codes, scales, matrix.group, out)
     return out
