@@ -68,9 +68,9 @@ def formats_section(sizes: dict) -> dict:
     except ImportError:
         return {"skipped": "torch is not installed"}
     rng = np.random.default_rng(0)
+    count = sizes["random_floats"]
     floats = np.concatenate([  # spread over every binade of both formats, and past their ranges
-        rng.standard_normal(sizes["random_floats"] // 2).astype(np.float32) * np.float32(2.0) ** rng.integers(
-            -24, 20, sizes["random_floats"] // 2),
+        rng.standard_normal(count).astype(np.float32) * np.float32(2.0) ** rng.integers(-24, 20, count),
         np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 448, 449, 464, 480, 57344, 61439, 61440, 2**-9, 2**-10,
                   2**-16, 2**-17, 2**-18], np.float32)])
     out = {"floats": int(floats.size)}
