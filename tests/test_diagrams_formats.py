@@ -201,7 +201,7 @@ def check_packing(figure, values, group):
     memory = by_gid(figure, "memory:")
     stored = matrix.codes.tobytes() + matrix.scales.tobytes()
     assert [int(memory[f"memory:{k}"], 16) for k in range(len(stored))] == list(stored)
-    assert f"{half} + 2 bytes for {group} weights:\n{8 * matrix.nbytes / group:g} bits per weight" in \
+    assert f"{half} + 2 bytes for {group} weights:\n{8 * matrix.packed_nbytes / group:g} bits per weight" in \
         by_gid(figure, "cost")["cost"]
     scale = by_gid(figure, "scale")["scale"]
     assert f"s = {float(matrix.scales[0, 0]):.6g} (bits 0x{int(matrix.scales[0, 0].view(np.uint16)):04X})" in scale
@@ -232,7 +232,7 @@ def test_the_default_group_is_real_weights_packed_by_the_matrix():
     weights, _, _ = diagram.weight_files.load(diagram.weight_files.path_for("target"))
     assert np.array_equal(values, weights["layers.0.wq"][:8, 0])
     matrix = check_packing(figure, values, 8)
-    assert matrix.nbytes == 6
+    assert matrix.packed_nbytes == 6
     assert "6 bits per weight (fp32: 32;\ngroups of 128: 4.125)" in by_gid(figure, "cost")["cost"]
     assert_legible(figure, free=("title", "row:", "scale", "bytevalue:", "memory:codes", "memory:scale",
                                  "cost", "index:"))

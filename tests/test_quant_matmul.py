@@ -42,8 +42,20 @@ def test_the_matrix_holds_formats_codes_and_scales():
     assert (matrix.values() == values).all() and (matrix.scales == scales).all()
     low, high = matrix.codes[0, :4] & 15, matrix.codes[0, :4] >> 4  # the first group's two halves, as v + 8
     assert (low == values[0, :4] + 8).all() and (high == values[0, 4:8] + 8).all()
-    assert matrix.codes.shape == (3, 8) and matrix.nbytes == 3 * 8 + 3 * 2 * 2
+    assert matrix.codes.shape == (3, 8) and matrix.nbytes == 3 * 8 + 3 * 2 * 4  # float32 scales
     assert np.abs(matrix.dequantize() - weights).max() <= scales.astype(np.float32).max() / 2 * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("n_out, rows", [(192, 64), (256, 64), (96, 32), (40, 8), (3, 1)])
+def test_tiles_put_up_to_64_outputs_side_by_side(n_out, rows):
+    weights = np.random.default_rng(n_out).standard_normal((32, n_out)).astype(np.float32)
+    for bits in (8, 4):
+        matrix = QuantizedMatrix.quantize(weights, bits, 16)
+        tiles, codes = matrix.tiles, matrix.codes
+        assert tiles.shape == (n_out // rows, codes.shape[1], rows)
+        for t, j, r in [(0, 0, 0), (n_out // rows - 1, codes.shape[1] - 1, rows - 1), (0, 1, rows // 2)]:
+            assert tiles[t, j, r] == codes[t * rows + r, j]  # byte j of output t * rows + r
+        assert matrix.tile_scales[-1, 1, -1] == matrix.scales[-1, 1]
 
 
 def test_the_current_backend_picks_the_face():

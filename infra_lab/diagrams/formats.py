@@ -297,7 +297,7 @@ def draw_int4_packing(values=None, group: int = 8) -> Figure:
     for k0, k1, label in ((0, len(codes), "codes"), (len(codes), len(stored), "scale")):
         ax.text(left + (k0 + k1) / 2 * byte_w, y_memory - 0.14, label, ha="center", va="center",
                 fontsize=FONT_PT, color=SCALE_COLOR if label == "scale" else "0.25", gid=f"memory:{label}")
-    bits_per_weight = 8 * matrix.nbytes / group
+    bits_per_weight = 8 * matrix.packed_nbytes / group
     large = formats.IntFormat(4, 128)
     ax.text(left + len(stored) * byte_w + 0.12, y_memory + box_h / 2,
             f"{len(codes)} + {matrix.scales.nbytes} bytes for {group} weights:\n"

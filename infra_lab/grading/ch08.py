@@ -378,8 +378,7 @@ _COLUMN_KINDS = ["random", "first column", "clipped", "last column", "zero scale
 
 def gemv_int4(x, codes, scales, group):
     """Reference: x (batch, n_in) @ W, W read from QuantizedMatrix's int4 codes and scales."""
-    n_out, half = codes.shape
-    return matmul_numpy(x, QuantizedMatrix(2 * half, n_out, 4, group, codes, scales))
+    return matmul_numpy(x, QuantizedMatrix.from_codes(codes, scales, 4, group))
 
 
 def gemv_arguments(kind, batch, n_in, n_out, group, seed):

@@ -7,17 +7,25 @@ transposed: row o holds output o's n_in weights, quantized along n_in in groups 
 one fp16 scale (formats.quantize_int), int8 as one byte per value, int4 (and 3-bit codes, which
 fit in a nibble) packed two to a byte. A method that rescales W's inputs first (AWQ's salient
 channels, SmoothQuant's migrated outliers) leaves an `input_scale` that multiplies x.
-Each output is then a sum over groups of scale times an integer dot product, and a row is one
-contiguous stream of bytes. Within a group of g int4 values, byte j holds value j in its low
-nibble and value j + g/2 in its high one (not formats.pack_int4's neighbours), each as v + 8 in
-0..15, so that both nibbles of a run of bytes meet runs of x, and the kernel takes the 8 back out
-once per group with the sum of x.
+Each output is then a sum over groups of scale times an integer dot product. Within a group of g
+int4 values, value j sits in byte j's low nibble and value j + g/2 in its high one (not
+formats.pack_int4's neighbours), each as v + 8 in 0..15, so that both nibbles of a run of bytes
+meet runs of x, and the kernel takes the 8 back out once per group with the sum of x.
 
-Three faces: numpy dequantizes W and multiplies (the reference); numba streams each row's codes
-in plain loops over contiguous runs, which LLVM vectorizes (for int4 it never splits a byte into
-two nibbles: byte * x_j + (byte >> 4) * (x_(j+g/2) - 16 x_j) is low * x_j + high * x_(j+g/2), so
-one shift per byte does, with x's side prepared once per call); torch dequantizes on the tensors'
-device and multiplies there.
+`codes` shows the matrix row by row (output o's bytes in a row), but it is stored in tiles of up
+to 64 outputs (`TILE_ROWS`) that interleave them: tile t holds, for each input byte j, the bytes of
+its outputs side by side, (n_out / rows, bytes per output, rows). A CPU kernel then makes the
+outputs its vector lanes: it reads one 64-byte cache line per input byte, multiplies every lane by
+the same x, and keeps 64 running sums, with no sum across lanes at the end of every group (which
+cost the row-by-row kernel more than its arithmetic). The scales are tiled alike, as float32.
+
+Three faces: numpy dequantizes W and multiplies (the reference); numba streams each tile once per
+row of x in plain loops over its lanes, which LLVM vectorizes (for int4 it never splits a byte
+into two nibbles: byte * x_j + (byte >> 4) * (x_(j+g/2) - 16 x_j) is low * x_j + high * x_(j+g/2),
+so one shift per byte does, with x's side prepared once per call). A tile is one stream of
+lines, but the kernel spends long enough on each that the hardware prefetchers fall behind, so it
+asks for the line AHEAD lines on (kernels.prefetch) as it goes. torch dequantizes on the
+tensors' device and multiplies there.
 """
 from __future__ import annotations
 
@@ -27,20 +35,23 @@ import numba
 import numpy as np
 
 from infra_lab import backend as backends
+from infra_lab.kernels.prefetch import prefetch_l2
 from infra_lab.quant import formats
 
 MATRIX_BITS = (3, 4, 8)
+TILE_ROWS = 64  # outputs per tile: one 64-byte cache line of codes per input byte
+AHEAD = 32  # lines of a tile a kernel asks for before it reads them (kernels.prefetch)
 
 
 @dataclass(frozen=True)
 class QuantizedMatrix:
-    """W (n_in, n_out) stored as its transpose, quantized along n_in."""
+    """W (n_in, n_out) stored as its transpose, quantized along n_in, in tiles of outputs."""
     n_in: int
     n_out: int
     bits: int  # 8; or 4 or 3, packed two to a byte
     group: int  # inputs sharing a scale (n_in for one scale per output: per channel)
-    codes: np.ndarray  # int8 (n_out, n_in), or uint8 (n_out, n_in / 2) for 4 and 3 bits
-    scales: np.ndarray  # fp16 (n_out, n_in / group)
+    tiles: np.ndarray  # int8 (n_out / rows, n_in, rows), or uint8 (n_out / rows, n_in / 2, rows) for 4 and 3 bits
+    tile_scales: np.ndarray  # float32 (n_out / rows, n_in / group, rows): fp16 values
     input_scale: np.ndarray | None = None  # float32 (n_in,): x * input_scale is what meets the codes
 
     @classmethod
@@ -67,34 +78,64 @@ class QuantizedMatrix:
         group = group or n_in
         if bits != 8 and group % 2:
             raise ValueError(f"{bits}-bit groups hold whole bytes: the group size must be even; got {group}")
-        scales = np.asarray(scales, np.float16)
-        formats.groups_of(values, group)  # names a group that does not divide the row
-        if scales.shape != (n_out, n_in // group):
-            raise ValueError(f"need scales ({n_out}, {n_in // group}) for groups of {group}; got {scales.shape}")
         q_max = 2 ** (bits - 1) - 1
+        formats.groups_of(values, group)  # names a group that does not divide the row
         if values.size and (values.min() < -q_max - 1 or values.max() > q_max):
             raise ValueError(f"{bits}-bit values must be in [{-q_max - 1}, {q_max}]; got "
                              f"{values.min()}..{values.max()}")
+        values = values.astype(np.int8)
+        codes = values if bits == 8 else _pack_halves(values, group)
+        return cls.from_codes(codes, scales, bits, group, input_scale)
+
+    @classmethod
+    def from_codes(cls, codes: np.ndarray, scales: np.ndarray, bits: int, group: int | None,
+                   input_scale: np.ndarray | None = None) -> QuantizedMatrix:
+        """Wrap codes as `codes` shows them: int8 (n_out, n_in), or for 4 and 3 bits uint8
+        (n_out, n_in / 2) with each group's halves in the low and high nibbles as v + 8."""
+        check_bits(bits)
+        codes = np.asarray(codes)
+        want = np.int8 if bits == 8 else np.uint8
+        if codes.ndim != 2 or codes.dtype != want:
+            raise ValueError(f"need {np.dtype(want).name} codes (n_out, bytes per output); got "
+                             f"{codes.dtype} {codes.shape}")
+        n_out, n_in = codes.shape[0], codes.shape[1] * (1 if bits == 8 else 2)
+        group = group or n_in
+        if n_in % group or (bits != 8 and group % 2):
+            raise ValueError(f"groups of {group} must divide the row of {n_in} inputs"
+                             f"{'' if bits == 8 else ' and be even'}")
+        scales = np.asarray(scales, np.float16)
+        if scales.shape != (n_out, n_in // group):
+            raise ValueError(f"need scales ({n_out}, {n_in // group}) for groups of {group}; got {scales.shape}")
         if input_scale is not None:
             input_scale = np.ascontiguousarray(input_scale, np.float32)
             if input_scale.shape != (n_in,):
                 raise ValueError(f"input_scale must be ({n_in},); got {input_scale.shape}")
-        values = values.astype(np.int8)
-        codes = values if bits == 8 else _pack_halves(values, group)
-        return cls(n_in, n_out, bits, group, np.ascontiguousarray(codes), np.ascontiguousarray(scales), input_scale)
+        rows = tile_rows(n_out)
+        return cls(n_in, n_out, bits, group, _tile(codes, rows), _tile(scales.astype(np.float32), rows),
+                   input_scale)
+
+    @property
+    def codes(self) -> np.ndarray:
+        """The codes row by row: int8 (n_out, n_in), or uint8 (n_out, n_in / 2) for 4 and 3 bits."""
+        return _untile(self.tiles)
+
+    @property
+    def scales(self) -> np.ndarray:
+        """fp16 (n_out, n_in / group): one scale per output and group."""
+        return _untile(self.tile_scales).astype(np.float16)
 
     @property
     def nbytes(self) -> int:
-        """Bytes a product reads of W: the codes, the scales and any input scale."""
+        """Bytes a product reads of W: the codes, the (float32) scales and any input scale."""
         extra = 0 if self.input_scale is None else self.input_scale.nbytes
-        return self.codes.nbytes + self.scales.nbytes + extra
+        return self.tiles.nbytes + self.tile_scales.nbytes + extra
 
     @property
     def packed_nbytes(self) -> float:
         """The size at `bits` per value, packed densely (3-bit codes sit in nibbles here), with the
         fp16 scales and any input scale stored in fp16."""
         extra = 0 if self.input_scale is None else formats.SCALE_BYTES * self.n_in
-        return self.n_in * self.n_out * self.bits / 8 + self.scales.nbytes + extra
+        return self.n_in * self.n_out * self.bits / 8 + self.tile_scales.size * formats.SCALE_BYTES + extra
 
     def values(self) -> np.ndarray:
         """The integer codes as int8 (n_out, n_in), unpacked."""
@@ -112,6 +153,22 @@ def check_bits(bits) -> int:
         raise ValueError(f"the matrix kernels read 8-bit codes, or 4- and 3-bit codes packed two to a byte; "
                          f"got bits={bits!r}")
     return bits
+
+
+def tile_rows(n_out: int) -> int:
+    """Outputs per tile: the largest power of two up to TILE_ROWS that divides n_out."""
+    return int(np.gcd(n_out, TILE_ROWS)) if n_out else 1
+
+
+def _tile(by_row: np.ndarray, rows: int) -> np.ndarray:
+    """(n_out, k) -> (n_out / rows, k, rows): each tile's outputs side by side for every column."""
+    n_out, k = by_row.shape
+    return np.ascontiguousarray(by_row.reshape(n_out // rows, rows, k).transpose(0, 2, 1))
+
+
+def _untile(tiles: np.ndarray) -> np.ndarray:
+    n_tiles, k, rows = tiles.shape
+    return np.ascontiguousarray(tiles.transpose(0, 2, 1)).reshape(n_tiles * rows, k)
 
 
 def _pack_halves(values: np.ndarray, group: int) -> np.ndarray:
@@ -149,55 +206,91 @@ def matmul_numpy(x: np.ndarray, matrix: QuantizedMatrix) -> np.ndarray:
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True)
-def _int8_rows(x, codes, scales, group, out):  # (B, n_in) f32, (n_out, n_in) i8, (n_out, G) f32, (B, n_out)
+def _int8_tiles(x, tiles, scales, group, out):
+    # x (B, n_in) f32; tiles (T, n_in, rows) i8; scales (T, n_in / group, rows) f32; out (B, n_out)
     batch, n_in = x.shape
-    for row in numba.prange(codes.shape[0]):
+    rows = tiles.shape[2]
+    flat = tiles.reshape(-1)
+    for t in numba.prange(tiles.shape[0]):
+        ahead = t * n_in * rows + AHEAD * rows  # the line AHEAD lines on, in flat
+        total = np.empty(rows, np.float32)  # the tile's outputs: its vector lanes
+        partial = np.empty(rows, np.float32)  # each output's codes times x over the group
         for b in range(batch):
-            total = np.float32(0)
+            total[:] = 0
             for g in range(n_in // group):
-                run = codes[row, g * group:(g + 1) * group]  # 1-D views: loops LLVM vectorizes
-                xs = x[b, g * group:(g + 1) * group]
-                partial = np.float32(0)  # the group's codes times x, then one scale
-                for i in range(group):
-                    partial += np.float32(run[i]) * xs[i]
-                total += partial * scales[row, g]
-            out[b, row] = total
+                partial[:] = 0
+                i, stop = g * group, (g + 1) * group
+                while i + 4 <= stop:  # four inputs per pass: a quarter of the trips through `partial`
+                    for line in range(4):
+                        prefetch_l2(flat, min(ahead + (i + line) * rows, flat.size - 1))
+                    l0, l1, l2, l3 = tiles[t, i], tiles[t, i + 1], tiles[t, i + 2], tiles[t, i + 3]
+                    x0, x1, x2, x3 = x[b, i], x[b, i + 1], x[b, i + 2], x[b, i + 3]
+                    for r in range(rows):  # input i's codes for the tile's outputs, and the next three
+                        partial[r] += (np.float32(l0[r]) * x0 + np.float32(l1[r]) * x1) + \
+                            (np.float32(l2[r]) * x2 + np.float32(l3[r]) * x3)
+                    i += 4
+                for i in range(i, stop):
+                    line, xi = tiles[t, i], x[b, i]
+                    for r in range(rows):
+                        partial[r] += np.float32(line[r]) * xi
+                scale = scales[t, g]
+                for r in range(rows):
+                    total[r] += partial[r] * scale[r]
+            out[b, t * rows:(t + 1) * rows] = total
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True)
-def _int4_rows(x_first, x_rest, x_sums, packed, scales, group, out):
+def _int4_tiles(x_first, x_rest, x_sums, tiles, scales, group, out):
     # x_first (B, n_in / 2): each group's first half of x; x_rest: its second half minus 16 times
-    # the first; x_sums (B, G): each group's sum of x; packed (n_out, n_in / 2) u8; out (B, n_out)
+    # the first; x_sums (B, G): each group's sum of x; tiles (T, n_in / 2, rows) u8; scales
+    # (T, G, rows) f32; out (B, n_out)
     batch = x_first.shape[0]
     half = group // 2
-    for row in numba.prange(packed.shape[0]):
+    rows, n_bytes = tiles.shape[2], tiles.shape[1]
+    flat = tiles.reshape(-1)
+    for t in numba.prange(tiles.shape[0]):
+        ahead = t * n_bytes * rows + AHEAD * rows  # the line AHEAD lines on, in flat
+        total = np.empty(rows, np.float32)
+        partial = np.empty(rows, np.float32)
         for b in range(batch):
-            total = np.float32(0)
+            total[:] = 0
             for g in range(x_first.shape[1] // half):
-                run = packed[row, g * half:(g + 1) * half]  # 1-D views: loops LLVM vectorizes
-                first, rest = x_first[b, g * half:(g + 1) * half], x_rest[b, g * half:(g + 1) * half]
-                partial = np.float32(0)
-                for j in range(half):  # byte = low + 16 high, so byte * first + high * rest
-                    byte = np.int32(run[j])  # = low * first + high * second
-                    partial += np.float32(byte) * first[j] + np.float32(byte >> 4) * rest[j]
-                total += (partial - np.float32(8) * x_sums[b, g]) * scales[row, g]  # nibbles hold v + 8
-            out[b, row] = total
+                partial[:] = 0
+                j, stop = g * half, (g + 1) * half
+                while j + 2 <= stop:  # two bytes per pass: half the trips through `partial`
+                    prefetch_l2(flat, min(ahead + j * rows, flat.size - 1))
+                    prefetch_l2(flat, min(ahead + (j + 1) * rows, flat.size - 1))
+                    l0, f0, r0 = tiles[t, j], x_first[b, j], x_rest[b, j]
+                    l1, f1, r1 = tiles[t, j + 1], x_first[b, j + 1], x_rest[b, j + 1]
+                    for r in range(rows):  # byte = low + 16 high, so byte * first + high * rest
+                        b0, b1 = np.int32(l0[r]), np.int32(l1[r])  # = low * first + high * second
+                        partial[r] += (np.float32(b0) * f0 + np.float32(b0 >> 4) * r0) + \
+                            (np.float32(b1) * f1 + np.float32(b1 >> 4) * r1)
+                    j += 2
+                for j in range(j, stop):
+                    line, first, rest = tiles[t, j], x_first[b, j], x_rest[b, j]
+                    for r in range(rows):
+                        byte = np.int32(line[r])
+                        partial[r] += np.float32(byte) * first + np.float32(byte >> 4) * rest
+                correction, scale = np.float32(8) * x_sums[b, g], scales[t, g]  # nibbles hold v + 8
+                for r in range(rows):
+                    total[r] += (partial[r] - correction) * scale[r]
+            out[b, t * rows:(t + 1) * rows] = total
 
 
 def matmul_numba(x: np.ndarray, matrix: QuantizedMatrix) -> np.ndarray:
-    """CPU: each thread streams its rows of codes once for every row of x."""
+    """CPU: each thread streams its tiles of codes once for every row of x."""
     _check(x, matrix)
     x = np.ascontiguousarray(_scaled(x, matrix), np.float32)
     out = np.empty((x.shape[0], matrix.n_out), np.float32)
-    scales = matrix.scales.astype(np.float32)
     if matrix.bits != 8:
         halves = x.reshape(x.shape[0], -1, 2, matrix.group // 2)  # (B, G, 2, group / 2)
         x_first = np.ascontiguousarray(halves[:, :, 0]).reshape(x.shape[0], -1)
         x_rest = np.ascontiguousarray(halves[:, :, 1] - 16 * halves[:, :, 0]).reshape(x.shape[0], -1)
         x_sums = halves.sum((2, 3))  # (B, G)
-        _int4_rows(x_first, x_rest, x_sums, matrix.codes, scales, matrix.group, out)
+        _int4_tiles(x_first, x_rest, x_sums, matrix.tiles, matrix.tile_scales, matrix.group, out)
     else:
-        _int8_rows(x, matrix.codes, scales, matrix.group, out)
+        _int8_tiles(x, matrix.tiles, matrix.tile_scales, matrix.group, out)
     return out
 
 
@@ -210,7 +303,7 @@ def matmul_torch(x, matrix: QuantizedMatrix):
     backend = backends.current()
     device = (backend.device if backend.name == "torch" else "cpu") if given_numpy else x.device
     xt = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(device) if given_numpy else x.float()
-    codes = torch.from_numpy(matrix.codes).to(device)
+    codes = torch.from_numpy(matrix.codes).to(device)  # (n_out, bytes per output), row by row
     if matrix.input_scale is not None:
         xt = xt * torch.from_numpy(matrix.input_scale).to(device)
     if matrix.bits != 8:  # per group: the low nibbles are its first half, the high ones its second
@@ -219,7 +312,7 @@ def matmul_torch(x, matrix: QuantizedMatrix):
         values = (halves - 8).flatten(1)
     else:
         values = codes.to(torch.int16)
-    scales = torch.from_numpy(matrix.scales.astype(np.float32)).to(device)
+    scales = torch.from_numpy(_untile(matrix.tile_scales)).to(device)  # (n_out, G) float32
     weights = (values.float().unflatten(-1, (-1, matrix.group)) * scales[..., None]).flatten(-2)  # (n_out, n_in)
     result = xt @ weights.T
     return result.cpu().numpy() if given_numpy else result
