@@ -1,13 +1,13 @@
 """quant.awq: the search's errors are the layer's output errors, alpha = 0 is round-to-nearest,
-so AWQ is never worse than RTN on its calibration data, and it helps when a few input channels
-carry large activations."""
+so AWQ's scaling is never worse than RTN on its calibration data, it helps when a few input
+channels carry large activations, and its clipping search picks each group's best ratio."""
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from infra_lab.quant import formats
-from infra_lab.quant.awq import activation_scales, awq, awq_search
+from infra_lab.quant.awq import CLIP_RATIOS, activation_scales, awq, awq_search, clip_search
 from infra_lab.quant.matmul import QuantizedMatrix
 
 
@@ -42,7 +42,7 @@ def test_awq_is_never_worse_than_round_to_nearest_on_calibration(seed, bits, gro
     rng = np.random.default_rng(seed)
     weights = rng.standard_normal((32, n_out)).astype(np.float32)
     inputs = salient_inputs(rng, 64, 32, n_salient)
-    matrix = awq(weights, inputs, bits, group, grid)
+    matrix = awq(weights, inputs, bits, group, grid, clip=False)
     rtn = QuantizedMatrix.quantize(weights, bits, group)
     assert output_error(inputs, weights, matrix.dequantize()) <= output_error(inputs, weights, rtn.dequantize()) \
         * (1 + 1e-9)
@@ -66,7 +66,7 @@ def test_the_search_record_is_the_brute_force_output_error():
 def test_alpha_zero_is_round_to_nearest(bits, group):
     rng = np.random.default_rng(4)
     weights = rng.standard_normal((32, 5)).astype(np.float32)
-    matrix = awq(weights, salient_inputs(rng, 64, 32), bits, group, grid=1)  # the grid is alpha = 0 alone
+    matrix = awq(weights, salient_inputs(rng, 64, 32), bits, group, grid=1, clip=False)  # alpha = 0 alone
     rtn = QuantizedMatrix.quantize(weights, bits, group)
     assert (matrix.values() == rtn.values()).all() and (matrix.scales == rtn.scales).all()
     assert (matrix.input_scale == 1).all()
@@ -84,6 +84,47 @@ def test_awq_helps_when_a_few_channels_are_loud():
                                                                                           rtn.dequantize()))
         alphas.append(awq_search(weights, inputs, 4, None).best_alpha)
     assert min(alphas) > 0 and max(ratios) < 0.6, (alphas, ratios)  # 0.18 to 0.47 here
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), bits=st.sampled_from([3, 4]), group=st.sampled_from([None, 8]),
+       outlier=st.booleans())
+def test_the_clip_search_keeps_each_groups_best_ratio(seed, bits, group, outlier):
+    rng = np.random.default_rng(seed)
+    weights = rng.standard_normal((16, 3)).astype(np.float32)
+    if outlier:
+        weights[rng.integers(16), rng.integers(3)] *= 8
+    inputs = rng.standard_normal((40, 16)).astype(np.float32)
+    ratios = clip_search(weights, inputs, bits, group)
+    size = group or 16
+    for o in range(3):
+        for g in range(16 // size):
+            rows = slice(g * size, (g + 1) * size)
+            w, x = weights[rows, o].astype(np.float64), inputs[:, rows].astype(np.float64)
+
+            def group_error(ratio):  # the group alone: max |w| shrunk, rounded, clipped to +-q_max
+                q_max = 2 ** (bits - 1) - 1
+                exact = np.float32(np.abs(w).max() / q_max * np.float32(ratio))
+                scale = np.float16(exact)
+                scale = np.nextafter(scale, np.float16(np.inf)) if np.float32(scale) < exact else scale
+                q = np.clip(np.rint(w.astype(np.float32) / np.float32(scale)), -q_max, q_max) * np.float32(scale)
+                return float(np.sum((x @ (w - q)) ** 2))
+
+            errors = [group_error(r) for r in CLIP_RATIOS]
+            assert np.isclose(CLIP_RATIOS, ratios[o, g]).any()
+            assert group_error(ratios[o, g]) <= min(errors) * (1 + 1e-9) + 1e-12
+
+
+def test_clipping_a_lone_outlier_helps_the_rest_of_its_group():
+    rng = np.random.default_rng(5)
+    weights = rng.standard_normal((64, 8)).astype(np.float32)
+    weights[3, :] = 12  # one huge weight per output: an unclipped 4-bit step of 12 / 7 flattens the rest
+    inputs = rng.standard_normal((128, 64)).astype(np.float32)
+    inputs[:, 3] *= 0.01  # ... on an input that barely matters
+    clipped, plain = awq(weights, inputs, 4, None, grid=1), awq(weights, inputs, 4, None, grid=1, clip=False)
+    assert (clip_search(weights, inputs, 4) < 1).all()
+    assert output_error(inputs, weights, clipped.dequantize()) < 0.5 * output_error(inputs, weights,
+                                                                                      plain.dequantize())
 
 
 def test_the_scales_are_centred_and_floored():
@@ -109,6 +150,8 @@ X = np.ones((4, 8), np.float32)
     (lambda: awq(W, X, 4, grid=0), r"grid must be an integer >= 1 .*; got 0"),
     (lambda: awq_search(W, X, 4, grid=2.5), r"grid must be an integer >= 1 .*; got 2.5"),
     (lambda: activation_scales(X, 1.5), r"alpha must be a number in \[0, 1\]; got 1.5"),
+    (lambda: awq(W, X, 4, clip="yes"), "clip must be True or False; got 'yes'"),
+    (lambda: clip_search(W, np.ones((4, 7)), 4), r"calibration inputs must be \(n_samples, 8\)"),
 ])
 def test_bad_input_is_named(call, message):
     with pytest.raises(ValueError, match=message):

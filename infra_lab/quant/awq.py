@@ -11,9 +11,15 @@ grow. AWQ sets s = (mean |x_j| over the calibration rows)^alpha, searches alpha 
 calibration inputs: ||X W - (X / s) Q(diag(s) W)||^2, Q round-to-nearest. alpha = 0 gives s = 1,
 plain round-to-nearest, so on its calibration data AWQ is never worse than RTN. As in the
 paper's code, s is divided by sqrt(max s * min s), centring it around 1 on a log scale; channels
-quieter than 1e-4 of the loudest are treated as that quiet, so no s is 0. The paper's second
-step, a search for clipping ranges, is left out. The returned matrix keeps 1 / s as its
-input_scale, which a kernel folds into x (or into the layer before).
+quieter than 1e-4 of the loudest are treated as that quiet, so no s is 0.
+
+The paper's code then searches a clipping range for every group of every output: it shrinks the
+group's max |w| by ratios 1, 0.95, ..., 0.55 (`CLIP_RATIOS`), and keeps the ratio whose
+rounded group is closest on the calibration inputs, ||X_g (w_g - Q(w_g))||^2 with X_g the group's
+inputs, each group judged alone. Clipping the rare large weight buys a finer step for the others.
+Ratio 1 is plain rounding, so this too never loses on its calibration data, group by group. The
+returned matrix keeps 1 / s as its input_scale, which a kernel folds into x (or into the layer
+before).
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ from infra_lab.quant.gptq import check_calibration, check_format
 from infra_lab.quant.matmul import QuantizedMatrix
 
 QUIET = 1e-4  # channels quieter than this fraction of the loudest count as this quiet
+CLIP_RATIOS = 1 - np.arange(10) / 20  # (10,): 1, 0.95, ..., 0.55: n_grid = 20, max_shrink = 0.5 in llm-awq
 
 
 def activation_scales(inputs, alpha: float) -> np.ndarray:
@@ -84,11 +91,38 @@ def awq_search(weights, inputs, bits: int, group: int | None = None, grid: int =
     return AwqSearch(alphas, errors, float(alphas[np.argmin(errors)]))
 
 
-def awq(weights, inputs, bits: int, group: int | None = None, grid: int = 20) -> QuantizedMatrix:
+def clip_search(weights, inputs, bits: int, group: int | None = None) -> np.ndarray:
+    """The ratio (n_out, n_in / group) of CLIP_RATIOS whose clipped rounding of W (n_in, n_out)
+    is closest on inputs (n_samples, n_in), group by group (the first such ratio on a tie)."""
+    weights, inputs = check_calibration(weights, inputs)
+    check_format(weights.shape[0], bits, group)
+    n_in, n_out = weights.shape
+    group = group or n_in
+    x = formats.groups_of(inputs.astype(np.float64), group)  # (n_samples, G, group)
+    grams = np.einsum("sgi,sgj->gij", x, x)  # (G, group, group): each group's X_g^T X_g
+    exact = formats.groups_of(weights.T.astype(np.float64), group)  # (n_out, G, group)
+    errors = np.empty((len(CLIP_RATIOS),) + exact.shape[:2])
+    for k, ratio in enumerate(CLIP_RATIOS):
+        values, scales = formats.quantize_int(weights.T, bits, group, np.full(exact.shape[:2], ratio))
+        difference = exact - formats.groups_of(formats.dequantize_int(values, scales, group), group)
+        errors[k] = np.einsum("ogi,gij,ogj->og", difference, grams, difference)
+    return CLIP_RATIOS[np.argmin(errors, axis=0)].astype(np.float32)
+
+
+def awq(weights, inputs, bits: int, group: int | None = None, grid: int = 20,
+        clip: bool = True) -> QuantizedMatrix:
     """W (n_in, n_out) quantized to `bits` (8, 4 or 3) with a scale per `group` inputs of each
     output (None: per channel) after AWQ's activation-aware scaling, searched on `grid` alphas
-    against calibration inputs (n_samples, n_in). input_scale is 1 / s."""
+    against calibration inputs (n_samples, n_in), then (with `clip`) each group's clipping range
+    searched. input_scale is 1 / s."""
     weights, inputs = check_calibration(weights, inputs)
+    if not isinstance(clip, bool):
+        raise ValueError(f"clip must be True or False; got {clip!r}")
     best_alpha = awq_search(weights, inputs, bits, group, grid).best_alpha
-    values, scales, input_scale = _scaled_rtn(weights, activation_scales(inputs, best_alpha), bits, group)
+    s = activation_scales(inputs, best_alpha)
+    values, scales, input_scale = _scaled_rtn(weights, s, bits, group)
+    if clip:  # on the scaled problem: (X / s) (diag(s) W)
+        scaled, scaled_inputs = (weights * s[:, None]).astype(np.float32), (inputs / s).astype(np.float32)
+        ratios = clip_search(scaled, scaled_inputs, bits, group)
+        values, scales = formats.quantize_int(scaled.T, bits, group, ratios)
     return QuantizedMatrix.from_values(values, scales, bits, group, input_scale)

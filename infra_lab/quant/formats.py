@@ -161,13 +161,17 @@ def groups_of(x: np.ndarray, group: int | None) -> np.ndarray:
     return x.reshape(*x.shape[:-1], n // group, group)
 
 
-def quantize_int(x, bits: int, group: int | None) -> tuple[np.ndarray, np.ndarray]:
+def quantize_int(x, bits: int, group: int | None, clip=None) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric round-to-nearest: (values (..., n) as int8 in [-q_max, q_max], fp16 scales
-    (..., n / group)). A scale is rounded up to fp16, so no value needs clipping."""
+    (..., n / group)). A scale is rounded up to fp16, so no value needs clipping, unless `clip`
+    (..., n / group), ratios in (0, 1], shrinks each group's range to clip * max |x| first (AWQ's
+    clipping search): the values beyond it then clip to +-q_max."""
     q_max = 2 ** (check_bits(bits) - 1) - 1
     x = np.asarray(x, np.float32)
     grouped = groups_of(x, group)
     exact = np.abs(grouped).max(-1) / q_max  # (..., n_groups)
+    if clip is not None:
+        exact = (exact * np.asarray(clip, np.float32)).astype(np.float32)
     scales = exact.astype(np.float16)
     scales = np.where(scales.astype(np.float32) < exact, np.nextafter(scales, np.float16(np.inf)), scales)
     safe = np.where(scales > 0, scales, 1).astype(np.float32)[..., None]
