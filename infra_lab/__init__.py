@@ -15,7 +15,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 def _let_llvm_use_512_bit_vectors() -> None:
     """LLVM tunes every AVX-512 Intel CPU to prefer 256-bit vectors (a Skylake-era guard against
     the clock dropping under 512-bit work), so numba's loops use half the width the CPU has. With
-    512-bit vectors chapter 08's int4 GEMV ran 1.6x faster on a 2-core Sapphire Rapids VM, and
+    512-bit vectors chapter 08's int4 GEMV ran 1.6x faster on a 2-core Xeon VM (Sapphire Rapids class), and
     numpy's BLAS, the kernels' peer, uses them already. numba reads NUMBA_CPU_FEATURES when it
     first compiles, so this must run first; a value the user set wins, and CPUs without AVX-512
     are left alone."""
