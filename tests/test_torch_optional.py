@@ -10,7 +10,8 @@ import sys
 import textwrap
 
 HIDE_TORCH = 'import sys\nsys.modules.update(torch=None, triton=None)  # as if not installed\n'
-TORCH_FACES = {"infra_lab.model.torch_model", "infra_lab.model.train", "infra_lab.model.precision"}  # and every *_triton kernel
+TORCH_FACES = {"infra_lab.model.torch_model", "infra_lab.model.train", "infra_lab.model.precision",
+               "infra_lab.moe.torch_moe", "infra_lab.moe.expert_parallel"}  # and every *_triton kernel
 
 
 def run_without_torch(code: str) -> subprocess.CompletedProcess:

@@ -1,0 +1,83 @@
+"""Run a function on N processes joined in a torch.distributed group: the launcher of the
+distributed chapters (expert parallelism, and data, tensor and pipeline parallelism).
+
+`run_on_ranks(function, world, *args)` starts `world` processes with torch.multiprocessing (the
+"spawn" start method, so it works from a notebook as from a test), joins them through a file
+rendezvous in a fresh temporary folder (no port to collide), and calls function(*args) on each,
+inside the group; it returns every rank's result in rank order. An exception on any rank comes
+back as the same type with that rank's message; the other ranks, left waiting in a collective,
+are ended by the group's timeout, so a bad input fails and never hangs.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import queue
+import tempfile
+import traceback
+
+BACKENDS = ("gloo", "nccl")
+
+
+def _worker(rank: int, world: int, backend: str, store: str, timeout_s: float, results, function, args):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    try:
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        # pickled here, by value: a tensor put on a queue as it is would be shared through a socket
+        # that closes with this process
+        results.put((rank, "ok", pickle.dumps(function(*args))))
+    except BaseException as error:  # noqa: BLE001: every failure goes back to the parent
+        results.put((rank, "error", (type(error).__name__, str(error), traceback.format_exc())))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_on_ranks(function, world: int, *args, backend: str = "gloo", timeout_s: float = 60.0) -> list:
+    """function(*args) on `world` processes in one group; each rank's result, in rank order."""
+    import torch.multiprocessing as mp
+
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"the world size must be an integer >= 1; got {world!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    with tempfile.TemporaryDirectory() as folder:
+        store = os.path.join(folder, "rendezvous")
+        processes = [context.Process(target=_worker, args=(rank, world, backend, store, timeout_s, results,
+                                                             function, args), daemon=True)
+                     for rank in range(world)]
+        for process in processes:
+            process.start()
+        outcomes = {}
+        try:
+            while len(outcomes) < world:
+                try:
+                    rank, status, value = results.get(timeout=timeout_s + 30)
+                except queue.Empty:
+                    raise TimeoutError(f"no result from ranks {sorted(set(range(world)) - set(outcomes))} "
+                                       f"within {timeout_s + 30:g} s") from None
+                outcomes[rank] = (status, value)
+                if status == "error":  # the first failure: the others may be stuck in a collective
+                    break
+        finally:
+            for process in processes:
+                process.join(timeout=5 if len(outcomes) == world else 0.5)
+                if process.is_alive():
+                    process.terminate()
+                    process.join()
+    errors = {rank: value for rank, (status, value) in outcomes.items() if status == "error"}
+    if errors:
+        rank = min(errors)
+        name, message, trace = errors[rank]
+        kind = {"ValueError": ValueError, "TypeError": TypeError}.get(name, RuntimeError)
+        raise kind(message if kind is not RuntimeError else f"rank {rank} failed: {name}: {message}\n{trace}")
+    return [pickle.loads(outcomes[rank][1]) for rank in range(world)]
