@@ -69,7 +69,7 @@ def _train(args: argparse.Namespace) -> int:
     from infra_lab.model import train, weights
 
     out = Path(args.out) if args.out else weights.path_for(args.size)
-    figures = train.train(args.size, out, seed=args.seed, steps=args.steps)
+    figures = train.train(args.size, out, seed=args.seed, steps=args.steps, balancing=args.balancing)
     print(f"wrote {out}: validation {figures['validation_bits_per_byte']:.3f} bits/byte "
           f"(unigram baseline {figures['unigram_bits_per_byte']:.3f}) after "
           f"{figures['train_seconds'] / 60:.1f} minutes")
@@ -104,7 +104,10 @@ def parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser("train", help="retrain the book's small GPT on Python's standard library (torch, CPU)",
                                 description="Retrain a model from Python's own standard library source.")
-    train.add_argument("--size", required=True, choices=["target", "draft"], help="which model")
+    train.add_argument("--size", required=True, choices=["target", "draft", "moe"], help="which model")
+    train.add_argument("--balancing", default="bias", choices=["none", "aux", "bias"],
+                       help="the mixture of experts' load balancing: the Switch aux loss, DeepSeek-V3's bias "
+                            "(default), or none")
     train.add_argument("--seed", type=int, default=0, help="random seed (0)")
     train.add_argument("--steps", type=int, help="optimizer steps (default: the shipped schedule)")
     train.add_argument("--out", help="weight file to write (default: the shipped one)")

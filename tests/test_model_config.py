@@ -12,7 +12,7 @@ OLD_FIELDS = ("name", "n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "v
               "rope_theta")
 
 
-@pytest.mark.parametrize("size", sorted(CONFIGS))
+@pytest.mark.parametrize("size", ["target", "draft"])
 def test_shipped_weight_files_load_into_the_one_config(size):
     with np.load(weights.path_for(size)) as archive:
         stored = json.loads(bytes(archive["__meta__"]).decode())["config"]
@@ -21,13 +21,24 @@ def test_shipped_weight_files_load_into_the_one_config(size):
     assert config == CONFIGS[size] and config.n_experts == 1 and config.source == ""
 
 
-def test_weight_shapes_count_the_dense_parameters():
-    config = CONFIGS["target"]
+@pytest.mark.parametrize("size", ["target", "moe"])
+def test_weight_shapes_count_the_parameters(size):
+    config = CONFIGS[size]
     norms = (2 * config.n_layers + 1) * config.d_model  # left out of total_params
+    biases = config.n_layers * config.n_experts if config.n_experts > 1 else 0  # the balancing biases, too
     count = sum(int(np.prod(shape)) for shape in weight_shapes(config).values())
-    assert count == config.total_params + norms
+    assert count == config.total_params + norms + biases
 
 
-def test_weight_shapes_of_a_mixture_of_experts_are_refused_by_name():
-    with pytest.raises(ValueError, match="mixtral-8x7b has n_experts=8"):
-        weight_shapes(roofline.preset("mixtral-8x7b"))
+def test_the_moe_model_has_the_targets_active_parameters():
+    moe, target = CONFIGS["moe"], CONFIGS["target"]
+    routers = moe.n_layers * moe.router_params
+    assert moe.active_params - routers == target.active_params
+    assert weight_shapes(moe)["layers.0.w_gate"] == (8, 128, 256)
+
+
+def test_a_published_mixture_of_experts_gets_its_stacked_expert_shapes():
+    mixtral = roofline.preset("mixtral-8x7b")
+    shapes = weight_shapes(mixtral)
+    assert shapes["layers.0.w_down"] == (8, mixtral.d_ff, mixtral.d_model)
+    assert shapes["layers.31.router"] == (mixtral.d_model, 8)

@@ -64,22 +64,27 @@ class ModelConfig:
 
 
 def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every array in a dense model's weight file, matrices as (in, out)."""
-    if config.n_experts != 1:
-        raise ValueError(f"weight files hold dense models only; {config.name} has "
-                         f"n_experts={config.n_experts}")
-    d, dh = config.d_model, config.head_dim
+    """Name -> shape of every array in a model's weight file, matrices as (in, out). A mixture of
+    experts replaces each layer's MLP by a router (d, E), a balancing bias (E,) that chooses
+    experts without weighing them (moe.routing), and the experts' stacked MLPs."""
+    d, dh, e, f = config.d_model, config.head_dim, config.n_experts, config.d_ff
     shapes = {"embed": (config.vocab, d)}
     for i in range(config.n_layers):
         shapes |= {f"layers.{i}.attn_norm": (d,), f"layers.{i}.wq": (d, config.n_heads * dh),
                    f"layers.{i}.wk": (d, config.n_kv_heads * dh), f"layers.{i}.wv": (d, config.n_kv_heads * dh),
-                   f"layers.{i}.wo": (config.n_heads * dh, d), f"layers.{i}.mlp_norm": (d,),
-                   f"layers.{i}.w_gate": (d, config.d_ff), f"layers.{i}.w_up": (d, config.d_ff),
-                   f"layers.{i}.w_down": (config.d_ff, d)}
+                   f"layers.{i}.wo": (config.n_heads * dh, d), f"layers.{i}.mlp_norm": (d,)}
+        if config.n_experts > 1:
+            shapes |= {f"layers.{i}.router": (d, e), f"layers.{i}.router_bias": (e,),
+                       f"layers.{i}.w_gate": (e, d, f), f"layers.{i}.w_up": (e, d, f), f"layers.{i}.w_down": (e, f, d)}
+        else:
+            shapes |= {f"layers.{i}.w_gate": (d, f), f"layers.{i}.w_up": (d, f), f"layers.{i}.w_down": (f, d)}
     return shapes | {"final_norm": (d,), "lm_head": (d, config.vocab)}
 
 
 CONFIGS: dict[str, ModelConfig] = {
     "target": ModelConfig("target", n_layers=4, d_model=128, n_heads=4, n_kv_heads=2, d_ff=512),
     "draft": ModelConfig("draft", n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=256),
+    # the target's attention, and 8 experts of half its MLP width, 2 per token: its active parameters
+    "moe": ModelConfig("moe", n_layers=4, d_model=128, n_heads=4, n_kv_heads=2, d_ff=256, n_experts=8,
+                       experts_per_token=2),
 }

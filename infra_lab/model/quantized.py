@@ -103,6 +103,9 @@ def quantize_model(model: Transformer, method, bits: int, group: int | None = No
     The model is not changed; a bad argument is named before any work is done."""
     if isinstance(model, QuantizedTransformer):
         raise ValueError(f"quantize the float model, not a quantized one ({model.name})")
+    if model.config.n_experts > 1:
+        raise ValueError(f"quantize_model quantizes dense models; {model.config.name} is a mixture of "
+                         f"{model.config.n_experts} experts")
     custom = method if callable(method) else None
     if custom is not None:
         method = getattr(custom, "__name__", "custom")

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from infra_lab.model.config import ModelConfig, weight_shapes
+from infra_lab.moe import torch_moe
 
 
 def rope_tables(config: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,10 +46,16 @@ class TorchTransformer(nn.Module):
                 value = torch.as_tensor(weights[name], dtype=torch.float32).clone()
             elif name.endswith("norm"):
                 value = torch.ones(shape)
+            elif name.endswith("router_bias"):
+                value = torch.zeros(shape)
             else:  # scaled so each residual branch starts small (GPT-2's 1/sqrt(2 n_layers))
                 std = 0.02 / (2 * config.n_layers) ** 0.5 if name.endswith(("wo", "w_down")) else 0.02
                 value = torch.randn(shape, generator=generator) * std
-            self.weights[name.replace(".", "__")] = nn.Parameter(value)
+            # the balancing bias is moved by load counts, not gradients (moe.routing.update_bias)
+            self.weights[name.replace(".", "__")] = nn.Parameter(value, requires_grad=not name.endswith("router_bias"))
+        self.capacity_factor: float | None = None  # a mixture of experts is dropless unless set
+        self.record_routing = False  # training sets it: then each MoE layer's (routing, logits) lands in
+        self.routings: list = []  # ... here, until the caller clears it
 
     def w(self, name: str) -> torch.Tensor:
         return self.weights[name.replace(".", "__")]
@@ -72,9 +79,19 @@ class TorchTransformer(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def _finish_layer(self, x: torch.Tensor, attended: torch.Tensor, i: int) -> torch.Tensor:
-        """x plus attention's output projected, plus the SwiGLU MLP: (..., T, d)."""
+        """x plus attention's output projected, plus the SwiGLU MLP: (..., T, d). In a mixture of
+        experts, the routed experts' MLPs (moe.torch_moe)."""
         x = x + self.mm(attended.flatten(-2), f"layers.{i}.wo")
         h = rmsnorm(x, self.w(f"layers.{i}.mlp_norm"))
+        if self.config.n_experts > 1:
+            name = f"layers.{i}"
+            y, routing, logits = torch_moe.moe_forward(
+                h.reshape(-1, h.shape[-1]), self.w(f"{name}.router"), self.w(f"{name}.w_gate"), self.w(f"{name}.w_up"),
+                self.w(f"{name}.w_down"), self.config.experts_per_token, self.capacity_factor,
+                self.w(f"{name}.router_bias"))
+            if self.record_routing:
+                self.routings.append((routing, logits))
+            return x + y.reshape(x.shape)
         gated = F.silu(self.mm(h, f"layers.{i}.w_gate")) * self.mm(h, f"layers.{i}.w_up")  # (..., T, d_ff)
         return x + self.mm(gated, f"layers.{i}.w_down")
 

@@ -21,6 +21,8 @@ from infra_lab.kv.metadata import StepMetadata
 from infra_lab.kv.paged import PagedKVCache
 from infra_lab.model import weights as weight_files
 from infra_lab.model.config import ModelConfig, weight_shapes
+from infra_lab.moe.experts import ExpertWeights
+from infra_lab.moe.layer import moe_layer
 
 
 def rmsnorm(x: np.ndarray, gain: np.ndarray, eps: float = 1e-5) -> np.ndarray:
@@ -47,12 +49,18 @@ def parts_of(key: str) -> list[str]:
     return [f"{layer}.{n}" for n in FUSED[suffix]] if suffix in FUSED else [key]
 
 
+def layer_matrices(config: ModelConfig) -> tuple[str, ...]:
+    """The matrices of a layer that `linear` applies: a mixture of experts runs its MLPs through
+    moe.layer instead."""
+    return LAYER_MATRICES if config.n_experts == 1 else LAYER_MATRICES[:2]
+
+
 def matrices_of(config: ModelConfig, weights: dict) -> dict[str, np.ndarray]:
     """Key -> the (n_in, n_out) matrix `linear` applies: per layer i "layers.{i}.qkv" (d, (H + 2K) Dh),
-    "layers.{i}.wo" (H Dh, d), "layers.{i}.gate_up" (d, 2 d_ff), "layers.{i}.w_down" (d_ff, d); then
-    "lm_head" (d, vocab)."""
+    "layers.{i}.wo" (H Dh, d), "layers.{i}.gate_up" (d, 2 d_ff), "layers.{i}.w_down" (d_ff, d) (the
+    last two for dense models); then "lm_head" (d, vocab)."""
     matrices = {}
-    for key in [f"layers.{i}.{m}" for i in range(config.n_layers) for m in LAYER_MATRICES] + ["lm_head"]:
+    for key in [f"layers.{i}.{m}" for i in range(config.n_layers) for m in layer_matrices(config)] + ["lm_head"]:
         parts = [weights[name] for name in parts_of(key)]
         matrices[key] = np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
     return matrices
@@ -168,7 +176,14 @@ class Transformer:
         return rotated[:, : c.n_heads], rotated[:, c.n_heads:], qkv[:, c.n_heads + c.n_kv_heads:]
 
     def _mlp(self, x: np.ndarray, i: int, backend: backends.Backend) -> np.ndarray:
-        """x plus layer i's SwiGLU MLP of x: (T, d) -> (T, d); gate and up in one matmul."""
+        """x plus layer i's SwiGLU MLP of x: (T, d) -> (T, d); gate and up in one matmul. In a
+        mixture of experts, each token's top-k experts' MLPs, weighted by the router (dropless)."""
+        if self.config.n_experts > 1:
+            w, name = self.w, f"layers.{i}"
+            experts = ExpertWeights(w[f"{name}.w_gate"], w[f"{name}.w_up"], w[f"{name}.w_down"])
+            routed = moe_layer(rmsnorm(x, w[f"{name}.mlp_norm"]), w[f"{name}.router"], experts,
+                               self.config.experts_per_token, None, w[f"{name}.router_bias"], backend)
+            return x + routed.y
         gate_up = self.linear(rmsnorm(x, self.w[f"layers.{i}.mlp_norm"]), f"layers.{i}.gate_up", backend)
         gate, up = np.split(gate_up, 2, axis=1)  # (T, d_ff) each
         return x + self.linear(gate / (1 + np.exp(-gate)) * up, f"layers.{i}.w_down", backend)
@@ -259,6 +274,6 @@ def _zeros_for(backend: backends.Backend):
 
 
 def load(size: str = "target") -> Transformer:
-    """The shipped model `size` ("target" or "draft")."""
+    """The shipped model `size` ("target", "draft" or "moe")."""
     weights, config, figures = weight_files.load(weight_files.path_for(size))
     return Transformer(config, weights, figures)

@@ -86,3 +86,16 @@ def moe_forward(x: torch.Tensor, router: torch.Tensor, gate, up, down, k: int,
     order = sort_by_expert(routing, gate.shape[0])
     out_sorted = swiglu_experts(x[order.assignment // k], order.counts, gate, up, down)
     return combine(out_sorted, order.assignment, routing), routing, logits
+
+
+def switch_aux_loss(routing: TorchRouting) -> torch.Tensor:
+    """moe.routing.switch_aux_loss, differentiable through the mean probabilities P_i (the shares
+    f_i are counts): 1 at uniform routing."""
+    n_experts = routing.probs.shape[1]
+    shares = torch.bincount(routing.experts.reshape(-1), minlength=n_experts).to(routing.probs.dtype)
+    return n_experts * torch.sum(shares / routing.experts.numel() * routing.probs.mean(0))
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's z-loss: the mean over tokens of logsumexp(logits)^2."""
+    return torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
