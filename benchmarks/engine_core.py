@@ -77,6 +77,28 @@ def write_sections(out, script: str, order: tuple[str, ...], sections: dict, ext
     out.write_text(json.dumps(figures, indent=1, default=float) + "\n")
 
 
+def run_sections(script: str, order: tuple[str, ...], runs: dict, args, headline, results, extra: dict) -> dict:
+    """A sectioned benchmark's run: each section `args.only` names (all of `order` without it),
+    run as runs[name](sections so far), its headline printed, and the figures written after
+    every section (to args.json, or to `results` unless args.quick), so that a long run that
+    stops keeps what it measured."""
+    import os
+    from pathlib import Path
+
+    out = Path(args.json) if args.json else (None if args.quick else Path(results))
+    print(backend.describe(), flush=True)
+    began, load_before = time.perf_counter(), os.getloadavg()[0]
+    sections: dict = {}
+    for name in [s for s in order if s in (args.only or order)]:
+        started = time.perf_counter()
+        sections[name] = runs[name](sections) | {"section_s": time.perf_counter() - started}
+        print(f"{name} ({sections[name]['section_s']:.0f} s): {headline(name, sections[name])}", flush=True)
+        if out is not None:
+            write_sections(out, script, order, sections, extra, bool(args.only), began, load_before)
+    print(f"({time.perf_counter() - began:.0f} s in all)")
+    return sections
+
+
 def median_seconds(run, rounds_out: list[float]):
     started = time.perf_counter()
     run()

@@ -27,7 +27,7 @@ a ratio is the median of the rounds' own ratios with a 95% interval for that med
 from __future__ import annotations
 
 import argparse
-import os
+import functools
 import statistics
 import sys
 import time
@@ -40,7 +40,7 @@ from infra_lab.quant import formats
 from infra_lab.quant.matmul import QuantizedMatrix, matmul_numba
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_core import median_interval, write_sections  # noqa: E402  (one helper for the intervals of every benchmark)
+from engine_core import median_interval, run_sections  # noqa: E402  (one helper for the intervals of every benchmark)
 
 RESULTS = Path(__file__).parent / "results" / "quant.json"
 SECTIONS = ("formats", "gemv", "batch", "quality", "training", "cuda")
@@ -265,23 +265,14 @@ def main() -> None:
     args = parser.parse_args()
     sizes = QUICK if args.quick else FULL
     rounds = args.rounds or sizes["rounds"]
-    out = Path(args.json) if args.json else (None if args.quick else RESULTS)
-    print(backend.describe(), flush=True)
-    began, load_before = time.perf_counter(), os.getloadavg()[0]
-    wanted = [s for s in SECTIONS if s in (args.only or SECTIONS)]
-    kernels = Kernels(sizes, args.seed) if {"gemv", "batch"} & set(wanted) else None
-    sections: dict = {}
-    runs = {"formats": lambda: formats_section(sizes), "gemv": lambda: gemv(kernels, rounds, args.seed),
-            "batch": lambda: batch_section(kernels, rounds, sections.get("gemv"), args.seed),
-            "quality": lambda: quality(sizes, args.quick), "training": lambda: training(sizes, args.quick),
-            "cuda": lambda: cuda(sizes)}
-    for name in wanted:
-        started = time.perf_counter()
-        sections[name] = runs[name]() | {"section_s": time.perf_counter() - started}
-        print(f"{name} ({sections[name]['section_s']:.0f} s): {headline(name, sections[name])}", flush=True)
-        if out is not None:  # after every section, so a long run that stops keeps what it measured
-            write(out, args, sizes, sections, began, load_before)
-    print(f"({time.perf_counter() - began:.0f} s in all)")
+    kernels = functools.cache(lambda: Kernels(sizes, args.seed))  # built once, for gemv and batch
+    runs = {"formats": lambda _: formats_section(sizes), "gemv": lambda _: gemv(kernels(), rounds, args.seed),
+            "batch": lambda done: batch_section(kernels(), rounds, done.get("gemv"), args.seed),
+            "quality": lambda _: quality(sizes, args.quick), "training": lambda _: training(sizes, args.quick),
+            "cuda": lambda _: cuda(sizes)}
+    run_sections("benchmarks/quant.py", SECTIONS, runs, args, headline, RESULTS,
+                 {"quick": args.quick, "seed": args.seed,
+                  "sizes": {k: list(v) if isinstance(v, tuple) else v for k, v in sizes.items()}})
 
 
 def quality(sizes: dict, quick: bool) -> dict:
@@ -388,11 +379,6 @@ def cuda(sizes: dict) -> dict:
     return {"TFLOPs": flops, "fp8_over_bf16": flops["fp8"] / flops["bf16"], "engine_tokens_per_s": served,
             "machine": torch.cuda.get_device_name()}
 
-
-def write(out: Path, args, sizes: dict, sections: dict, began: float, load_before: float) -> None:
-    write_sections(out, "benchmarks/quant.py", SECTIONS, sections,
-                   {"quick": args.quick, "seed": args.seed,
-                    "sizes": {k: list(v) if isinstance(v, tuple) else v for k, v in sizes.items()}}, bool(args.only), began, load_before)
 
 
 if __name__ == "__main__":

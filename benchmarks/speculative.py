@@ -29,7 +29,6 @@ BLAS threads fight numba's.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -48,7 +47,7 @@ from infra_lab.serving.request import SamplingParams
 from infra_lab.serving.speculative import accept_all, best_gamma, expected_tokens, speculative_generate, speedup
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_core import median_interval, write_sections  # noqa: E402  (one helper for the intervals of every benchmark)
+from engine_core import median_interval, run_sections  # noqa: E402  (one helper for the intervals of every benchmark)
 
 RESULTS = Path(__file__).parent / "results" / "speculative.json"
 GAMMAS = (1, 2, 3, 4, 5, 6, 8)
@@ -303,27 +302,12 @@ def main() -> None:
     from threadpoolctl import threadpool_limits
 
     blas_limit = threadpool_limits(limits=args.blas_threads, user_api="blas")  # noqa: F841  held for the run
-    out = Path(args.json) if args.json else (None if args.quick else RESULTS)
-    print(backend.describe(), flush=True)
-    began, load_before = time.perf_counter(), os.getloadavg()[0]
     bench = Bench(sizes, backend.current(), args.seed)
-    runs = {"exact": lambda: exact(bench), "sampling": lambda: sampling(bench), "theory": lambda: theory(bench),
-            "speed": lambda: speed(bench, rounds), "engine": lambda: engine_section(bench, rounds),
-            "cuda": lambda: cuda(bench, rounds)}
-    sections = {}
-    for name in [s for s in SECTIONS if s in (args.only or SECTIONS)]:
-        started = time.perf_counter()
-        sections[name] = runs[name]() | {"section_s": time.perf_counter() - started}
-        print(f"{name} ({sections[name]['section_s']:.0f} s): {headline(name, sections[name])}", flush=True)
-        if out is not None:  # after every section, so a long run that stops keeps what it measured
-            write(out, args, sizes, sections, began, load_before)
-    print(f"({time.perf_counter() - began:.0f} s in all)")
-
-
-def write(out: Path, args, sizes: dict, sections: dict, began: float, load_before: float) -> None:
-    write_sections(out, "benchmarks/speculative.py", SECTIONS, sections,
-                   {"quick": args.quick, "seed": args.seed, "sizes": sizes,
-                    "blas_threads": args.blas_threads}, bool(args.only), began, load_before)
+    runs = {"exact": lambda _: exact(bench), "sampling": lambda _: sampling(bench), "theory": lambda _: theory(bench),
+            "speed": lambda _: speed(bench, rounds), "engine": lambda _: engine_section(bench, rounds),
+            "cuda": lambda _: cuda(bench, rounds)}
+    run_sections("benchmarks/speculative.py", SECTIONS, runs, args, headline, RESULTS,
+                 {"quick": args.quick, "seed": args.seed, "sizes": sizes, "blas_threads": args.blas_threads})
 
 
 if __name__ == "__main__":
