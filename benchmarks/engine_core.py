@@ -77,6 +77,18 @@ def write_sections(out, script: str, order: tuple[str, ...], sections: dict, ext
     out.write_text(json.dumps(figures, indent=1, default=float) + "\n")
 
 
+def section_parser(doc: str, sections: tuple[str, ...], results) -> argparse.ArgumentParser:
+    """The options every sectioned benchmark takes: --quick, --only SECTION (repeatable),
+    --rounds, --seed and --json; a benchmark adds its own before parsing."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes for a smoke test")
+    parser.add_argument("--only", action="append", choices=sections, help="run this section (repeatable)")
+    parser.add_argument("--rounds", type=int)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help=f"write the figures here (default without --quick: {results})")
+    return parser
+
+
 def run_sections(script: str, order: tuple[str, ...], runs: dict, args, headline, results, extra: dict) -> dict:
     """A sectioned benchmark's run: each section `args.only` names (all of `order` without it),
     run as runs[name](sections so far), its headline printed, and the figures written after

@@ -20,7 +20,6 @@ the rounds' own ratios with a 95% interval for that median.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -34,7 +33,7 @@ from infra_lab.moe.experts import ExpertWeights, experts_numba
 from infra_lab.moe.routing import route
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_core import median_interval, run_sections  # noqa: E402
+from engine_core import median_interval, run_sections, section_parser  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "moe.json"
 SECTIONS = ("layer", "overlap", "cuda")
@@ -252,12 +251,7 @@ def headline(name: str, s: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes for a smoke test")
-    parser.add_argument("--only", action="append", choices=SECTIONS, help="run this section (repeatable)")
-    parser.add_argument("--rounds", type=int)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", help=f"write the figures here (default without --quick: {RESULTS})")
+    parser = section_parser(__doc__, SECTIONS, RESULTS)
     args = parser.parse_args()
     sizes = QUICK if args.quick else FULL
     rounds = args.rounds or sizes["rounds"]

@@ -26,7 +26,6 @@ a ratio is the median of the rounds' own ratios with a 95% interval for that med
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import statistics
 import sys
@@ -40,7 +39,7 @@ from infra_lab.quant import formats
 from infra_lab.quant.matmul import QuantizedMatrix, matmul_numba
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_core import median_interval, run_sections  # noqa: E402  (one helper for the intervals of every benchmark)
+from engine_core import median_interval, run_sections, section_parser  # noqa: E402  (one helper for the intervals of every benchmark)
 
 RESULTS = Path(__file__).parent / "results" / "quant.json"
 SECTIONS = ("formats", "gemv", "batch", "quality", "training", "cuda")
@@ -256,12 +255,7 @@ def headline(name: str, s: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes for a smoke test")
-    parser.add_argument("--only", action="append", choices=SECTIONS, help="run this section (repeatable)")
-    parser.add_argument("--rounds", type=int)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", help=f"write the figures here (default without --quick: {RESULTS})")
+    parser = section_parser(__doc__, SECTIONS, RESULTS)
     args = parser.parse_args()
     sizes = QUICK if args.quick else FULL
     rounds = args.rounds or sizes["rounds"]

@@ -28,7 +28,6 @@ BLAS threads fight numba's.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -47,7 +46,7 @@ from infra_lab.serving.request import SamplingParams
 from infra_lab.serving.speculative import accept_all, best_gamma, expected_tokens, speculative_generate, speedup
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_core import median_interval, run_sections  # noqa: E402  (one helper for the intervals of every benchmark)
+from engine_core import median_interval, run_sections, section_parser  # noqa: E402  (one helper for the intervals of every benchmark)
 
 RESULTS = Path(__file__).parent / "results" / "speculative.json"
 GAMMAS = (1, 2, 3, 4, 5, 6, 8)
@@ -287,13 +286,8 @@ def headline(name: str, s: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes for a smoke test")
-    parser.add_argument("--only", action="append", choices=SECTIONS, help="run this section (repeatable)")
-    parser.add_argument("--rounds", type=int)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = section_parser(__doc__, SECTIONS, RESULTS)
     parser.add_argument("--blas-threads", type=int, default=1, help="numpy's BLAS threads (default 1)")
-    parser.add_argument("--json", help=f"write the figures here (default without --quick: {RESULTS})")
     args = parser.parse_args()
     sizes = QUICK if args.quick else FULL
     rounds = args.rounds or sizes["rounds"]
