@@ -1,3 +1,7 @@
+import os
+import subprocess
+import sys
+
 import pytest
 
 from infra_lab import backend
@@ -93,3 +97,17 @@ def test_describe_says_backend_device_threads_and_versions(monkeypatch):
     for piece in ("threads", "python", "numpy", "numba", "torch"):
         assert piece in text
     assert "\n" not in text
+
+
+def test_numba_may_use_512_bit_vectors_where_the_cpu_has_them():
+
+    code = ("import numba, os\nimport infra_lab\nimport llvmlite.binding as llvm\n"
+            "wide = bool(llvm.get_host_cpu_features().get('avx512f'))\n"
+            "lifted = (numba.config.CPU_FEATURES or '').endswith('-prefer-256-bit')\n"
+            "assert lifted == wide, (wide, numba.config.CPU_FEATURES)\n")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CPU_FEATURES"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr  # numba imported first still takes the setting
+    mine = subprocess.run([sys.executable, "-c", "import os, infra_lab; print(os.environ['NUMBA_CPU_FEATURES'])"],
+                          env=env | {"NUMBA_CPU_FEATURES": "+sse2"}, capture_output=True, text=True, timeout=120)
+    assert mine.stdout.strip() == "+sse2"  # a value the user set wins
