@@ -28,9 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from infra_lab import hardware
-from infra_lab.moe import dispatch as dispatching
+from infra_lab.moe import numba_layer as numba_layer_face
 from infra_lab.moe.experts import ExpertWeights, experts_numba
-from infra_lab.moe.routing import route
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_core import median_interval, run_sections, section_parser  # noqa: E402
@@ -68,15 +67,15 @@ def expert_flops(sizes: dict) -> float:
 # ---- layer ---------------------------------------------------------------------------------------
 
 def numba_layer(x, router, weights, k, split: dict | None = None):
-    """The MoE layer on numba, each stage timed into `split` when given."""
+    """The MoE layer on numba (moe.numba_layer), each stage timed into `split` when given."""
     t0 = time.perf_counter()
-    routing = route(x @ router, k)
-    plan = dispatching.plan(routing, weights.n_experts)
-    x_sorted = dispatching.permute(x, plan)
+    routing, _ = numba_layer_face.route(x, router, k)
+    plan = numba_layer_face.plan(routing, weights.n_experts)
+    x_sorted = numba_layer_face.permute(x, plan.tokens)
     t1 = time.perf_counter()
     out_sorted = experts_numba(x_sorted, plan.offsets, weights)
     t2 = time.perf_counter()
-    y = dispatching.combine(out_sorted, plan)
+    y = numba_layer_face.combine(out_sorted, plan.slot_of, plan.weights)
     t3 = time.perf_counter()
     if split is not None:
         for name, seconds in (("route and permute", t1 - t0), ("experts", t2 - t1), ("combine", t3 - t2)):

@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from infra_lab import backend as backends
 from infra_lab.moe import dispatch as dispatching
 from infra_lab.moe.experts import ExpertWeights, experts_numba, experts_numpy, experts_torch, silu
 from infra_lab.moe.layer import moe_layer
@@ -118,3 +119,38 @@ def test_the_differentiable_torch_layer_is_the_numpy_layer(factor):
     assert (routing.experts.numpy() == reference.routing.experts).all()
     assert (routing.kept.numpy() == reference.routing.kept).all()
     assert np.allclose(y.numpy(), reference.y, atol=1e-5)
+
+
+def test_the_vectorised_silu_matches_float64_everywhere():
+    from infra_lab.moe.experts import silu_times
+
+    x = np.concatenate([np.linspace(-120, 120, 4001), [0.0, -0.0, 1e-30, -1e-30, 87.5, -87.5, 200, -200]])
+    hidden = x.astype(np.float32).reshape(1, -1).repeat(3, axis=0)
+    lifted = np.random.default_rng(0).uniform(-2, 2, hidden.shape).astype(np.float32)
+    expected = hidden.astype(np.float64) / (1 + np.exp(-hidden.astype(np.float64))) * lifted
+    silu_times(hidden, lifted)
+    assert np.allclose(hidden, expected, rtol=1e-5, atol=1e-30)  # float32 t = -x log2 e: about 4e-6 at x = -70
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n_tokens=st.integers(1, 40), n_experts=st.integers(1, 8), k=st.integers(1, 3),
+       factor=st.sampled_from([None, 0.5, 1.25]), biased=st.booleans(), coarse=st.booleans())
+def test_the_numba_layer_routes_sorts_and_combines_as_the_numpy_modules_do(seed, n_tokens, n_experts, k, factor,
+                                                                         biased, coarse):
+    from infra_lab.moe import numba_layer
+
+    k = min(k, n_experts)
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n_tokens, 8)).astype(np.float32)
+    router = np.round(rng.standard_normal((8, n_experts))) if coarse else rng.standard_normal((8, n_experts))
+    x = np.round(x) if coarse else x  # integer logits: exact ties between experts
+    router = router.astype(np.float32)
+    bias = rng.uniform(-0.1, 0.1, n_experts).astype(np.float32) if biased else None
+    weights = random_experts(rng, n_experts, 8, 12)
+    y, logits, routing, plan = numba_layer.moe_layer_numba(x, router, weights, k, factor, bias)
+    reference = moe_layer(x, router, weights, k, factor, bias, backend=backends.resolve("numpy"))
+    assert (routing.experts == reference.routing.experts).all() and (routing.kept == reference.routing.kept).all()
+    assert np.allclose(routing.weights, reference.routing.weights, atol=1e-6)
+    for got, want in zip(plan, reference.dispatch):
+        assert np.array_equal(got, want) if got.dtype.kind == "i" else np.allclose(got, want, atol=1e-6)
+    assert np.allclose(y, reference.y, rtol=1e-4, atol=1e-4)

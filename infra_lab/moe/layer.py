@@ -1,4 +1,6 @@
-"""One mixture-of-experts layer, end to end: route, permute, run the experts, combine."""
+"""One mixture-of-experts layer, end to end: route, permute, run the experts, combine. On numba
+every step is compiled (moe.numba_layer); elsewhere routing and dispatch run in numpy and the
+experts on the backend's face."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -8,6 +10,7 @@ import numpy as np
 from infra_lab import backend as backends
 from infra_lab.moe import dispatch as dispatching
 from infra_lab.moe.experts import ExpertWeights, run_experts
+from infra_lab.moe.numba_layer import moe_layer_numba
 from infra_lab.moe.routing import Routing, route
 
 
@@ -28,6 +31,8 @@ def moe_layer(x, router, weights: ExpertWeights, k: int, capacity_factor: float 
         raise ValueError(f"need x (tokens, d) and a router (d, experts); got x {x.shape}, router {router.shape}")
     if router.shape[1] != weights.n_experts:
         raise ValueError(f"the router scores {router.shape[1]} experts but there are {weights.n_experts}")
+    if (backend or backends.current()).name == "numba":
+        return MoeOutput(*moe_layer_numba(x, router, weights, k, capacity_factor, bias))
     logits = x @ router  # (T, E)
     routing = route(logits, k, capacity_factor, bias)
     plan = dispatching.plan(routing, weights.n_experts)
