@@ -98,6 +98,10 @@ W = ExpertWeights(np.zeros((2, 4, 6), np.float32), np.zeros((2, 4, 6), np.float3
     (lambda: moe_layer(np.zeros((3, 4)), np.zeros((4, 3)), W, 1), "the router scores 3 experts but there are 2"),
     (lambda: moe_layer(np.zeros((3, 4)), np.zeros((5, 2)), W, 1), r"router \(d, experts\); got x \(3, 4\), router \(5, 2\)"),
     (lambda: moe_layer(np.zeros((3, 4)), np.zeros((4, 2)), W, 3), "k must be an integer from 1 to the 2 experts; got 3"),
+    (lambda: moe_layer(np.zeros((3, 4)), np.zeros((4, 2)), W, 1, bias=np.zeros(5), backend=backends.resolve("numba")),
+     r"the balancing bias must be \(2,\), one per expert; got \(5,\)"),
+    (lambda: moe_layer(np.zeros((3, 4)), np.zeros((4, 2)), W, 1, 0, backend=backends.resolve("numba")),
+     "capacity factor must be a number > 0"),
 ])
 def test_bad_input_is_named(call, message):
     with pytest.raises(ValueError, match=message):

@@ -10,7 +10,7 @@ import numpy as np
 
 from infra_lab.moe.dispatch import Dispatch
 from infra_lab.moe.experts import ExpertWeights, experts_numba
-from infra_lab.moe.routing import Routing, capacity, check_top_k, keep_within_capacity
+from infra_lab.moe.routing import Routing, capacity, check_bias, check_top_k, keep_within_capacity
 
 
 @numba.njit(parallel=True, fastmath=True, error_model="numpy", cache=True)
@@ -49,7 +49,7 @@ def route(x: np.ndarray, router: np.ndarray, k: int, capacity_factor=None, bias=
     n_tokens, n_experts = x.shape[0], router.shape[1]
     k = check_top_k(k, n_experts)
     slots = capacity(n_tokens, n_experts, k, capacity_factor)
-    bias = np.zeros(n_experts, np.float32) if bias is None else np.ascontiguousarray(bias, np.float32)
+    bias = np.zeros(n_experts, np.float32) if bias is None else np.ascontiguousarray(check_bias(bias, n_experts))
     experts = np.empty((n_tokens, k), np.int64)
     weights = np.empty((n_tokens, k), np.float32)
     probs = np.empty((n_tokens, n_experts), np.float32)

@@ -48,6 +48,14 @@ def check_capacity_factor(factor) -> float | None:
     return float(factor)
 
 
+def check_bias(bias, n_experts: int) -> np.ndarray:
+    """The balancing bias as float32 (E,), or a ValueError naming its shape."""
+    bias = np.asarray(bias, np.float32)
+    if bias.shape != (n_experts,):
+        raise ValueError(f"the balancing bias must be ({n_experts},), one per expert; got {bias.shape}")
+    return bias
+
+
 def softmax(logits: np.ndarray) -> np.ndarray:
     shifted = logits - logits.max(-1, keepdims=True)
     e = np.exp(shifted)
@@ -72,10 +80,7 @@ def route(logits, k: int, capacity_factor: float | None = None, bias=None) -> Ro
     probs = softmax(logits)
     scores = probs
     if bias is not None:
-        bias = np.asarray(bias, np.float32)
-        if bias.shape != (n_experts,):
-            raise ValueError(f"the balancing bias must be ({n_experts},), one per expert; got {bias.shape}")
-        scores = probs + bias
+        scores = probs + check_bias(bias, n_experts)
     experts = np.argsort(-scores, axis=1, kind="stable")[:, :k]  # ties: the lower expert first
     chosen = np.take_along_axis(probs, experts, axis=1)
     weights = (chosen / chosen.sum(1, keepdims=True)).astype(np.float32)

@@ -303,7 +303,8 @@ def matmul_torch(x, matrix: QuantizedMatrix):
     backend = backends.current()
     device = (backend.device if backend.name == "torch" else "cpu") if given_numpy else x.device
     xt = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(device) if given_numpy else x.float()
-    codes = torch.from_numpy(matrix.codes).to(device)  # (n_out, bytes per output), row by row
+    by_row = lambda tiles: torch.from_numpy(tiles).to(device).transpose(1, 2).flatten(0, 1)  # noqa: E731
+    codes = by_row(matrix.tiles)  # (n_out, bytes per output): the tiles laid out row by row on the device
     if matrix.input_scale is not None:
         xt = xt * torch.from_numpy(matrix.input_scale).to(device)
     if matrix.bits != 8:  # per group: the low nibbles are its first half, the high ones its second
@@ -312,7 +313,7 @@ def matmul_torch(x, matrix: QuantizedMatrix):
         values = (halves - 8).flatten(1)
     else:
         values = codes.to(torch.int16)
-    scales = torch.from_numpy(_untile(matrix.tile_scales)).to(device)  # (n_out, G) float32
+    scales = by_row(matrix.tile_scales)  # (n_out, G) float32
     weights = (values.float().unflatten(-1, (-1, matrix.group)) * scales[..., None]).flatten(-2)  # (n_out, n_in)
     result = xt @ weights.T
     return result.cpu().numpy() if given_numpy else result
