@@ -29,6 +29,7 @@ import numpy as np
 
 from infra_lab import hardware
 from infra_lab.moe import numba_layer as numba_layer_face
+from infra_lab.moe import torch_moe
 from infra_lab.moe.experts import ExpertWeights, experts_numba
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -83,28 +84,6 @@ def numba_layer(x, router, weights, k, split: dict | None = None):
     return y
 
 
-def mixtral_style(x, router, gate, up, down, k):
-    """A torch layer in the manner of Hugging Face's Mixtral sparse MoE block: top-k of the
-    softmax, renormalised; then for each expert, the tokens its mask selects, its MLP on them,
-    scaled by their gate weights and added back with index_add_."""
-    import torch
-    import torch.nn.functional as F
-
-    probs = torch.softmax(x @ router, dim=-1)
-    weights, chosen = torch.topk(probs, k, dim=-1)
-    weights = weights / weights.sum(-1, keepdim=True)
-    y = torch.zeros_like(x)
-    mask = F.one_hot(chosen, gate.shape[0]).permute(2, 1, 0)  # (E, k, T)
-    for e in range(gate.shape[0]):
-        slot, token = torch.where(mask[e])
-        if token.numel() == 0:
-            continue
-        rows = x[token]
-        out = (F.silu(rows @ gate[e]) * (rows @ up[e])) @ down[e]
-        y.index_add_(0, token, out * weights[token, slot, None])
-    return y
-
-
 def seconds_per_call(run, budget_s: float) -> float:
     run()
     started, calls = time.perf_counter(), 0
@@ -123,11 +102,11 @@ def layer(sizes: dict, rounds: int, seed: int) -> dict:
     tweights = [torch.from_numpy(w) for w in weights]
     reference = numba_layer(x, router, weights, k)
     with torch.no_grad():
-        peer = mixtral_style(tx, trouter, *tweights, k).numpy()
+        peer = torch_moe.mixtral_block(tx, trouter, *tweights, k).numpy()
     if not np.allclose(reference, peer, atol=1e-4):
         raise AssertionError("the numba layer and the Mixtral-style torch layer disagree")
     runs = {"numba": lambda: numba_layer(x, router, weights, k),
-            "torch (Mixtral-style loop)": lambda: mixtral_style(tx, trouter, *tweights, k)}
+            "torch (Mixtral-style loop)": lambda: torch_moe.mixtral_block(tx, trouter, *tweights, k)}
     seconds = {name: [] for name in runs}
     order = np.random.default_rng(seed)
     peak_rounds = []
@@ -158,42 +137,13 @@ def layer(sizes: dict, rounds: int, seed: int) -> dict:
 
 # ---- overlap -------------------------------------------------------------------------------------
 
-def _overlap_rank(sizes: dict, rounds: int, seed: int):
-    import torch
-    import torch.distributed as dist
-
-    from infra_lab.moe import expert_parallel
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    d, f, e, k = sizes["d"], sizes["f"], sizes["experts"], sizes["k"]
-    g = torch.Generator().manual_seed(seed)
-    router = torch.randn(d, e, generator=g) / d ** 0.5
-    local = e // world
-    every = [torch.randn(e, *shape, generator=g) / shape[0] ** 0.5 for shape in ((d, f), (d, f), (f, d))]
-    mine = [w[rank * local:(rank + 1) * local].contiguous() for w in every]
-    x = torch.randn(sizes["ep_tokens_per_rank"], d, generator=torch.Generator().manual_seed(seed + 1 + rank))
-    timings = {1: [], sizes["chunks"]: []}
-    outputs = {}
-    for _ in range(rounds + 1):  # the first round warms up
-        for chunks in timings:
-            dist.barrier()
-            y, timing = expert_parallel.timed_forward(x, router, *mine, n_experts=e, k=k, chunks=chunks)
-            timings[chunks].append(timing)
-            outputs[chunks] = y
-    same = bool(torch.allclose(outputs[1], outputs[sizes["chunks"]], atol=1e-5))
-    plain = expert_parallel.moe_forward(x, router, *mine, n_experts=e, k=k)
-    owners = plain.routing.experts // local
-    away = int(((owners != rank) & plain.routing.kept).sum())
-    return {"timings": {c: [t._asdict() for t in ts[1:]] for c, ts in timings.items()}, "same_output": same,
-            "bytes_to_others": plain.exchange.bytes_to_others, "bytes_by_formula": away * d * x.element_size()}
-
-
 def overlap(sizes: dict, rounds: int, seed: int) -> dict:
+    from infra_lab.moe import ep_runs
     from infra_lab.processes import run_on_ranks
 
     out = {}
     for world in sizes["worlds"]:
-        ranks = run_on_ranks(_overlap_rank, world, sizes, rounds, seed, timeout_s=600)
+        ranks = run_on_ranks(ep_runs.overlap_rank, world, sizes, rounds, seed, timeout_s=600)
         row = {"bytes_equal_formula": all(r["bytes_to_others"] == r["bytes_by_formula"] for r in ranks),
                "bytes_to_others": [r["bytes_to_others"] for r in ranks],
                "same_output": all(r["same_output"] for r in ranks)}

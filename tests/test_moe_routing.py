@@ -101,3 +101,11 @@ def test_the_bias_moves_against_each_experts_load_error():
 def test_bad_input_is_named(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_deepseek_v3s_parameters_counted_from_its_config_are_the_reports():
+    from infra_lab.moe import published
+
+    count = published.deepseek_v3_params()
+    assert round(count.total / 1e9) == 671  # DeepSeek-V3 report, abstract: 671B total
+    assert abs(count.active / 1e9 - 37) < 0.5  # and 37B activated per token

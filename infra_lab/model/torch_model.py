@@ -56,6 +56,7 @@ class TorchTransformer(nn.Module):
         self.capacity_factor: float | None = None  # a mixture of experts is dropless unless set
         self.record_routing = False  # training sets it: then each MoE layer's (routing, logits) lands in
         self.routings: list = []  # ... here, until the caller clears it
+        self.choose_experts = None  # moe.torch_moe.route's `choose`: who picks each token's experts
 
     def w(self, name: str) -> torch.Tensor:
         return self.weights[name.replace(".", "__")]
@@ -88,7 +89,7 @@ class TorchTransformer(nn.Module):
             y, routing, logits = torch_moe.moe_forward(
                 h.reshape(-1, h.shape[-1]), self.w(f"{name}.router"), self.w(f"{name}.w_gate"), self.w(f"{name}.w_up"),
                 self.w(f"{name}.w_down"), self.config.experts_per_token, self.capacity_factor,
-                self.w(f"{name}.router_bias"))
+                self.w(f"{name}.router_bias"), self.choose_experts)
             if self.record_routing:
                 self.routings.append((routing, logits))
             return x + y.reshape(x.shape)

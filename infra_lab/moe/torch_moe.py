@@ -23,13 +23,18 @@ class TorchRouting(NamedTuple):
 
 
 def route(logits: torch.Tensor, k: int, capacity_factor: float | None = None,
-          bias: torch.Tensor | None = None) -> TorchRouting:
-    """moe.routing.route on tensors: logits (T, E) -> the top-k experts, weights and drops."""
+          bias: torch.Tensor | None = None, choose=None) -> TorchRouting:
+    """moe.routing.route on tensors: logits (T, E) -> the top-k experts, weights and drops.
+    `choose(logits, k, bias)`, given, picks the experts instead ((T, k) int64, from detached
+    tensors): chapter 09's last exercise trains the model with the reader's router."""
     n_tokens, n_experts = logits.shape
     k = check_top_k(k, n_experts)
     probs = torch.softmax(logits.float(), dim=-1)
-    scores = probs.detach() if bias is None else probs.detach() + bias
-    experts = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]  # ties: lower first
+    if choose is not None:
+        experts = choose(logits.detach(), k, None if bias is None else bias.detach())
+    else:
+        scores = probs.detach() if bias is None else probs.detach() + bias
+        experts = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]  # ties: lower first
     chosen = probs.gather(1, experts)
     weights = chosen / chosen.sum(1, keepdim=True)
     slots = capacity(n_tokens, n_experts, k, capacity_factor)
@@ -79,10 +84,10 @@ def combine(out_sorted: torch.Tensor, assignment: torch.Tensor, routing: TorchRo
 
 
 def moe_forward(x: torch.Tensor, router: torch.Tensor, gate, up, down, k: int,
-                capacity_factor: float | None = None, bias: torch.Tensor | None = None):
+                capacity_factor: float | None = None, bias: torch.Tensor | None = None, choose=None):
     """x (T, d) -> (y (T, d), routing, logits): one process, every expert here."""
     logits = x @ router
-    routing = route(logits, k, capacity_factor, bias)
+    routing = route(logits, k, capacity_factor, bias, choose)
     order = sort_by_expert(routing, gate.shape[0])
     out_sorted = swiglu_experts(x[order.assignment // k], order.counts, gate, up, down)
     return combine(out_sorted, order.assignment, routing), routing, logits
@@ -99,3 +104,23 @@ def switch_aux_loss(routing: TorchRouting) -> torch.Tensor:
 def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
     """ST-MoE's z-loss: the mean over tokens of logsumexp(logits)^2."""
     return torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
+
+
+def mixtral_block(x, router, gate, up, down, k: int) -> torch.Tensor:
+    """The peer the numba layer is measured against: a layer in the manner of Hugging Face's
+    Mixtral sparse MoE block (modeling_mixtral.py). Top-k of the softmax, renormalised; then for
+    each expert, the tokens its one-hot mask selects, its MLP on them, scaled by their gate
+    weights and added back with index_add_. Dropless, no bias."""
+    probs = torch.softmax(x @ router, dim=-1)
+    weights, chosen = torch.topk(probs, k, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    y = torch.zeros_like(x)
+    mask = F.one_hot(chosen, gate.shape[0]).permute(2, 1, 0)  # (E, k, T)
+    for e in range(gate.shape[0]):
+        slot, token = torch.where(mask[e])
+        if token.numel() == 0:
+            continue
+        rows = x[token]
+        out = (F.silu(rows @ gate[e]) * (rows @ up[e])) @ down[e]
+        y.index_add_(0, token, out * weights[token, slot, None])
+    return y
