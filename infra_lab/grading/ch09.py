@@ -21,7 +21,7 @@ import math
 import numpy as np
 
 from infra_lab.grading.ch07 import Schedule
-from infra_lab.grading.ch08 import _array, _first, _partner
+from infra_lab.grading.ch08 import _array, _first, _floats, _partner
 from infra_lab.grading.checks import Check, register
 from infra_lab.moe import dispatch as moe_dispatch
 from infra_lab.moe import routing
@@ -52,14 +52,6 @@ class WrongBias(AssertionError):
 
 class Unbalanced(AssertionError):
     """Training with the reader's router left an expert over the balance bar."""
-
-
-def _floats(value, what: str, shape: tuple) -> np.ndarray:
-    if not (isinstance(value, np.ndarray) and value.dtype.kind == "f" and value.shape == shape):
-        got = (f"an array of {value.dtype}, shape {value.shape}" if isinstance(value, np.ndarray)
-               else type(value).__name__)
-        raise TypeError(f"{what} must be a numpy array of floats, shape {shape}; got {got}")
-    return value.astype(np.float64)
 
 
 def _integers(value, what: str, shape: tuple) -> np.ndarray:
