@@ -126,7 +126,7 @@ def _own_balance_step(biases, experts_per_layer, n_experts, rate):  # a reader's
 
 def test_the_last_check_trains_the_moe_and_holds_the_balance_bar():
     result = run("balance_step", _own_balance_step)  # with the top_k_gating imported above
-    assert result.passed == result.total == 8, result.first_failure
+    assert result.passed == result.total == 24, result.first_failure
     trained = ch09.fine_tune(top_k_gating, _own_balance_step)  # the check's run, kept
     assert max(trained["before"]) > ch09.BALANCE_BAR  # the reset biases let the loads drift
     assert max(trained["after"]) <= ch09.BALANCE_BAR, trained["after"]
@@ -138,8 +138,7 @@ def test_a_bias_step_of_the_wrong_sign_fails_before_the_training():
         return [ch09.update_bias(b, -np.bincount(e.ravel(), minlength=n_experts), rate)
                 for b, e in zip(biases, experts_per_layer)]
 
-    result = fails("balance_step", wrong_sign, "layer 0")
-    assert result.passed < 2  # the random cases catch it, and the training stops at its first step
+    fails("balance_step", wrong_sign, "layer 0")  # the training, too, stops at its first step
 
 
 def test_the_statements_state_what_the_checks_do():
