@@ -98,14 +98,23 @@ class TorchTransformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Training and scoring: tokens (B, T), whole sequences -> logits (B, T, vocab)."""
-        c = self.config
-        cos, sin = rope_tables(c, torch.arange(tokens.shape[1], device=tokens.device))
+        cos, sin = rope_tables(self.config, torch.arange(tokens.shape[1], device=tokens.device))
         x = self.w("embed")[tokens]  # (B, T, d)
-        for i in range(c.n_layers):
-            q, k, v = (t.transpose(1, 2) for t in self._layer_inputs(x, i, cos, sin))  # (B, heads, T, Dh)
-            k, v = k.repeat_interleave(c.group, dim=1), v.repeat_interleave(c.group, dim=1)
-            attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, Dh)
-            x = self._finish_layer(x, attended.transpose(1, 2), i)
+        for i in range(self.config.n_layers):
+            x = self.block(x, i, cos, sin)
+        return self.head(x)
+
+    def block(self, x: torch.Tensor, i: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Transformer block i on whole sequences: x (B, T, d) -> (B, T, d). Pipeline stages and
+        activation checkpointing (infra_lab.parallel) call it one block at a time."""
+        c = self.config
+        q, k, v = (t.transpose(1, 2) for t in self._layer_inputs(x, i, cos, sin))  # (B, heads, T, Dh)
+        k, v = k.repeat_interleave(c.group, dim=1), v.repeat_interleave(c.group, dim=1)
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, Dh)
+        return self._finish_layer(x, attended.transpose(1, 2), i)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm and the LM head: x (..., d) -> logits (..., vocab)."""
         return self.mm(rmsnorm(x, self.w("final_norm")), "lm_head")
 
     def step(self, tokens: torch.Tensor, meta, kv) -> torch.Tensor:
