@@ -230,3 +230,52 @@ def hooks_rank() -> dict:
         data_parallel.finish()
     return {"launched in backward": out[True], "launched without overlap": out[False],
             "units": len(data_parallel.units)}
+
+
+def overlap_rank(settings: Settings, rounds: int) -> dict:
+    """This rank's times, medians over `rounds` after a warm-up, taking turns: forward and backward
+    alone, then a barrier ("compute"), the all-reduce of every unit's gradients alone
+    ("communication"), and data-parallel steps (forward, backward, gradient sync) with and without
+    overlap, on copies of the model. A step's exposed communication is its time beyond compute's,
+    as a share of communication's; its overhead, the same time as a share of the step's."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    x, y = batches(Settings(steps=1, batch=settings.batch, window=settings.window, seed=settings.seed))[0]
+    share = slice(rank * settings.batch // world, (rank + 1) * settings.batch // world)
+    x, y = x[share], y[share]
+    counter = ByteCounter()
+    models = {name: shipped_model() for name in ("compute", "overlapped", "after backward")}
+    parallel = {name: DataParallel(models[name], counter, overlap=name == "overlapped")
+                for name in ("overlapped", "after backward")}
+    buffers = [torch.zeros(size) for size in unit_sizes(models["compute"])]
+
+    def compute():
+        loss_of(models["compute"](x), y).backward()
+        dist.barrier()
+
+    def communication():
+        for buffer in reversed(buffers):
+            counter.all_reduce(buffer)
+
+    def step(name: str):
+        def run():
+            loss_of(models[name](x), y).backward()
+            parallel[name].finish()
+        return run
+
+    cases = {"compute": compute, "communication": communication, "overlapped": step("overlapped"),
+             "after backward": step("after backward")}
+    seconds = {name: [] for name in cases}
+    for round_ in range(rounds + 1):  # the first round warms up
+        for name, run in cases.items():
+            for model in models.values():
+                model.zero_grad(set_to_none=False)
+            dist.barrier()
+            started = time.perf_counter()
+            run()
+            if round_:
+                seconds[name].append(time.perf_counter() - started)
+    median = {name: float(np.median(values)) for name, values in seconds.items()}
+    steps = ("overlapped", "after backward")
+    return {"seconds": median,
+            "exposed share": {n: (median[n] - median["compute"]) / median["communication"] for n in steps},
+            "overhead": {n: (median[n] - median["compute"]) / median[n] for n in steps}}

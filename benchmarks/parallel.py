@@ -1,0 +1,134 @@
+"""Issue 19's bars for chapter 10's data, tensor and pipeline parallelism, on gloo processes (one
+thread each). Each section is one function:
+
+- training: the shipped target model trained 50 steps (AdamW, 8 windows of 64 bytes a step) by
+  every method of parallel.runs on 2 and 4 processes, against one process: the largest relative
+  loss gap and absolute weight gap, each rank's parameter, gradient and optimizer-state bytes
+  against the memory model, the bytes each collective sent per step against ZeRO's volumes, and
+  each method's step time over plain data parallelism's;
+- overlap: a data-parallel step with its bucketed all-reduce launched from gradient hooks during
+  backward, and launched after backward: the exposed communication as a share of the all-reduce
+  alone, and as a share of the step;
+- tensor: tensor-parallel MLP and block against one process on the same shapes, and exactness;
+- pipeline: the measured idle share of a 2-stage pipeline with balanced stages against
+  (p - 1) / (m + p - 1) for m from 1 to 16, GPipe and 1F1B, with one run's logs kept for drawing;
+- checkpointing: the bytes autograd saves for backward and the time of a forward and backward of
+  the target model, with and without recomputing each block;
+- cuda: the memory model against torch.cuda.max_memory_allocated for one process (only with a GPU).
+
+Ratios come from runs in this one invocation; variants take turns, and a ratio is the median of
+the rounds' own ratios with a 95% interval for that median.
+
+    python benchmarks/parallel.py [--quick] [--only SECTION ...] [--rounds N] [--json PATH]
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from infra_lab.parallel import runs
+from infra_lab.processes import run_on_ranks
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_core import median_interval, run_sections, section_parser  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results" / "parallel.json"
+SECTIONS = ("training", "overlap", "tensor", "pipeline", "checkpointing", "cuda")
+FULL = {"steps": 50, "worlds": (2, 4), "rounds": 15, "overlap_batches": (8, 32), "micro_batches": tuple(range(1, 17)),
+        "tensor_batch": 8, "tensor_tokens": 128}
+QUICK = {"steps": 4, "worlds": (2,), "rounds": 3, "overlap_batches": (8,), "micro_batches": (1, 4),
+         "tensor_batch": 2, "tensor_tokens": 32}
+
+
+def interval(values: list[float]) -> dict:
+    low, high = median_interval(values)
+    return {"median": statistics.median(values), "low": low, "high": high}
+
+
+def training(sizes: dict) -> dict:
+    settings = runs.Settings(steps=sizes["steps"])
+    reference = runs.single_process(settings)
+    out = {"settings": asdict(settings), "worlds": {}}
+    for world in sizes["worlds"]:
+        ranks = run_on_ranks(runs.compare_rank, world, list(runs.METHODS), settings, timeout_s=1800)
+        methods = {}
+        for i, method in enumerate(runs.METHODS):
+            results = [rank[i] for rank in ranks]
+            losses = np.mean([r["losses"] for r in results], axis=0)
+            weights = results[0]["weights"]
+            methods[method] = {
+                "loss_gap_relative": float(np.max(np.abs(losses - reference["losses"]) / np.abs(reference["losses"]))),
+                "weight_gap": max(float(np.max(np.abs(weights[n] - v))) for n, v in reference["weights"].items()),
+                "held": [r["held"] for r in results], "modelled": results[0]["modelled"],
+                "held_equals_model": all(r["held"] == r["modelled"] for r in results),
+                "sent_per_step": results[0]["sent_per_step"][-1], "volume_modelled": results[0]["volume_modelled"],
+                "bytes_equal_model": all(s["volume"] == r["volume_modelled"] for r in results
+                                         for s in r["sent_per_step"]) if method in runs.OURS else None,
+                "step_seconds": max(r["step_seconds"] for r in results)}
+        for method in methods.values():
+            method["step_over_ddp"] = method["step_seconds"] / methods["ddp"]["step_seconds"]
+        out["worlds"][str(world)] = methods
+    out["first_loss"], out["last_loss"] = reference["losses"][0], reference["losses"][-1]
+    return out
+
+
+def overlap(sizes: dict, rounds: int) -> dict:
+    out = {}
+    for batch in sizes["overlap_batches"]:
+        ranks = run_on_ranks(runs.overlap_rank, 2, runs.Settings(batch=batch, window=128), rounds, timeout_s=1800)
+        out[f"batch {batch}"] = {"ranks": ranks, "exposed share": {
+            case: max(r["exposed share"][case] for r in ranks) for case in ("overlapped", "after backward")},
+            "overhead": {case: max(r["overhead"][case] for r in ranks) for case in ("overlapped", "after backward")},
+            "window": 128, "processes": 2}
+    return out
+
+
+def tensor(sizes: dict, rounds: int) -> dict:
+    from infra_lab.parallel import tensor as tp
+
+    out = {}
+    for world in sizes["worlds"]:
+        config = "target" if world == 2 else {"name": "tp4", "n_layers": 2, "d_model": 128, "n_heads": 4,
+                                              "n_kv_heads": 4, "d_ff": 512}
+        exact = run_on_ranks(tp.exactness_rank, world, 0, config, 2, 32, timeout_s=600)
+        timing = run_on_ranks(tp.timing_rank, world, 0, config, sizes["tensor_batch"], sizes["tensor_tokens"],
+                              rounds, timeout_s=1800)
+        out[str(world)] = {"config": config, "exactness": exact[0], "timing": timing[0]}
+    return out
+
+
+def headline(name: str, s: dict) -> str:
+    if "skipped" in s:
+        return f"skipped ({s['skipped']})"
+    if name == "training":
+        return "; ".join(f"{w} processes: loss gap <= {max(m['loss_gap_relative'] for m in ms.values()):.1e}, "
+                         f"weights <= {max(m['weight_gap'] for m in ms.values()):.1e}, memory as modelled: "
+                         f"{all(m['held_equals_model'] for k, m in ms.items() if k in runs.OURS)}"
+                         for w, ms in s["worlds"].items())
+    if name == "overlap":
+        return "; ".join(f"{b}: exposed {v['exposed share']['after backward']:.0%} -> {v['exposed share']['overlapped']:.0%}"
+                         for b, v in s.items() if isinstance(v, dict))
+    if name == "tensor":
+        return "; ".join(f"{w}: MLP {v['timing']['mlp_ratio']:.2f}x, block {v['timing']['block_ratio']:.2f}x one process"
+                         for w, v in s.items() if isinstance(v, dict))
+    return ""
+
+
+def main() -> None:
+    parser = section_parser(__doc__, SECTIONS, RESULTS)
+    args = parser.parse_args()
+    sizes = QUICK if args.quick else FULL
+    rounds = args.rounds or sizes["rounds"]
+    sections = {"training": lambda _: training(sizes), "overlap": lambda _: overlap(sizes, rounds),
+                "tensor": lambda _: tensor(sizes, rounds)}
+    run_sections("benchmarks/parallel.py", SECTIONS, sections, args, headline, RESULTS,
+                 {"quick": args.quick, "seed": args.seed, "sizes": {k: list(v) if isinstance(v, tuple) else v
+                                                                    for k, v in sizes.items()}})
+
+
+if __name__ == "__main__":
+    main()
