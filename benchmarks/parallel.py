@@ -39,9 +39,9 @@ from engine_core import median_interval, run_sections, section_parser  # noqa: E
 RESULTS = Path(__file__).parent / "results" / "parallel.json"
 SECTIONS = ("training", "overlap", "tensor", "pipeline", "checkpointing", "cuda")
 FULL = {"steps": 50, "worlds": (2, 4), "rounds": 15, "overlap_batches": (8, 32), "micro_batches": tuple(range(1, 17)),
-        "tensor_batch": 8, "tensor_tokens": 128}
+        "tensor_batch": 8, "tensor_tokens": 128, "checkpoint_batch": 8}
 QUICK = {"steps": 4, "worlds": (2,), "rounds": 3, "overlap_batches": (8,), "micro_batches": (1, 4),
-         "tensor_batch": 2, "tensor_tokens": 32}
+         "tensor_batch": 2, "tensor_tokens": 32, "checkpoint_batch": 2}
 
 
 def interval(values: list[float]) -> dict:
@@ -97,8 +97,53 @@ def tensor(sizes: dict, rounds: int) -> dict:
         exact = run_on_ranks(tp.exactness_rank, world, 0, config, 2, 32, timeout_s=600)
         timing = run_on_ranks(tp.timing_rank, world, 0, config, sizes["tensor_batch"], sizes["tensor_tokens"],
                               rounds, timeout_s=1800)
-        out[str(world)] = {"config": config, "exactness": exact[0], "timing": timing[0]}
+        out[str(world)] = {"config": config, "exactness": exact[0] | {"bytes": float(exact[0]["bytes"])},
+                           "bytes_modelled": float(tp.bytes_per_block(2, 32, exact[0]["d_model"], world)
+                                                   * exact[0]["n_layers"]), "timing": timing[0]}
     return out
+
+
+def pipeline_bubble(sizes: dict, rounds: int) -> dict:
+    from infra_lab.parallel import pipeline_runs
+
+    rows = pipeline_runs.measure_bubble(2, sizes["micro_batches"], repeats=rounds, timeout_s=3000)
+    return {"stages": 2, "repeats": rounds, "sizes": {"d": 128, "blocks": 2, "micro_batch": 8, "tokens": 128},
+            "rows": rows, "worst_relative_gap": max(abs(r["measured"] / r["formula"] - 1) for r in rows)}
+
+
+def checkpointing(sizes: dict, rounds: int) -> dict:
+    from infra_lab.parallel import checkpointing as recompute
+
+    model = runs.shipped_model()
+    tokens, _ = runs.batches(runs.Settings(steps=1, batch=sizes["checkpoint_batch"], window=512))[0]
+    compared = recompute.compare(model, tokens, repeats=rounds)
+    return {"batch": sizes["checkpoint_batch"], "window": 512,
+            **{("with" if flag else "without"): c._asdict() for flag, c in compared.items()}}
+
+
+def cuda(sizes: dict) -> dict:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA device"}
+    from infra_lab.model.config import CONFIGS
+    from infra_lab.model.torch_model import TorchTransformer
+    from infra_lab.parallel import memory
+
+    model = TorchTransformer(CONFIGS["target"]).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, 256, (8, 512), device="cuda")
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    for _ in range(2):
+        model(x).float().square().mean().backward()
+        optimizer.step()
+    psi = sum(p.numel() for p in model.parameters())
+    modelled = sum(memory.state_bytes(psi, 1, 0, memory.FP32).values())
+    held = torch.cuda.memory_allocated()
+    return {"device": torch.cuda.get_device_name(), "params": psi, "states_modelled": modelled,
+            "allocated_after_steps": held, "weights_before_steps": before,
+            "max_allocated": torch.cuda.max_memory_allocated()}
 
 
 def headline(name: str, s: dict) -> str:
@@ -115,6 +160,13 @@ def headline(name: str, s: dict) -> str:
     if name == "tensor":
         return "; ".join(f"{w}: MLP {v['timing']['mlp_ratio']:.2f}x, block {v['timing']['block_ratio']:.2f}x one process"
                          for w, v in s.items() if isinstance(v, dict))
+    if name == "pipeline":
+        return (f"worst gap to (p - 1)/(m + p - 1): {s['worst_relative_gap']:.1%}; "
+                + ", ".join(f"{r['kind']} m={r['micro_batches']}: {r['measured']:.3f}/{r['formula']:.3f}"
+                            for r in s["rows"] if r["micro_batches"] in (1, 4, 16)))
+    if name == "checkpointing":
+        return (f"saved {s['without']['saved_bytes'] / 1e6:.0f} -> {s['with']['saved_bytes'] / 1e6:.0f} MB, "
+                f"step {s['with']['seconds'] / s['without']['seconds']:.2f}x")
     return ""
 
 
@@ -124,7 +176,8 @@ def main() -> None:
     sizes = QUICK if args.quick else FULL
     rounds = args.rounds or sizes["rounds"]
     sections = {"training": lambda _: training(sizes), "overlap": lambda _: overlap(sizes, rounds),
-                "tensor": lambda _: tensor(sizes, rounds)}
+                "tensor": lambda _: tensor(sizes, rounds), "pipeline": lambda _: pipeline_bubble(sizes, rounds),
+                "checkpointing": lambda _: checkpointing(sizes, rounds), "cuda": lambda _: cuda(sizes)}
     run_sections("benchmarks/parallel.py", SECTIONS, sections, args, headline, RESULTS,
                  {"quick": args.quick, "seed": args.seed, "sizes": {k: list(v) if isinstance(v, tuple) else v
                                                                     for k, v in sizes.items()}})

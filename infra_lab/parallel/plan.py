@@ -48,7 +48,7 @@ class Shape:
 SHAPES = {shape.name: shape for shape in (
     Shape("GPT-3 XL 1.3B", 24, 2048, 16, "Brown et al. 2020, Table 2.1"),
     Shape("GPT-3 6.7B", 32, 4096, 32, "Brown et al. 2020, Table 2.1"),
-    Shape("GPT-3 13B", 40, 5140, 40, "Brown et al. 2020, Table 2.1"),
+    Shape("GPT-3 2.7B", 32, 2560, 32, "Brown et al. 2020, Table 2.1"),
     Shape("GPT-3 175B", 96, 12288, 96, "Brown et al. 2020, Table 2.1"),
 )}
 
@@ -81,8 +81,9 @@ class Plan:
             raise ValueError(f"tensor x pipeline = {self.tensor} x {self.pipeline} must divide the {self.gpus} GPUs")
         if self.tensor > GPUS_PER_NODE:
             raise ValueError(f"tensor parallelism stays within a node: at most {GPUS_PER_NODE}; got {self.tensor}")
-        if self.shape.heads % self.tensor:
-            raise ValueError(f"a tensor-parallel size of {self.tensor} must divide the {self.shape.heads} heads")
+        if self.shape.heads % self.tensor or self.shape.hidden % self.tensor:
+            raise ValueError(f"a tensor-parallel size of {self.tensor} must divide the {self.shape.heads} heads "
+                             f"and the width {self.shape.hidden}")
         if self.shape.layers % self.pipeline:
             raise ValueError(f"{self.pipeline} pipeline stages cannot share {self.shape.layers} layers evenly")
         if self.micro_batches < 1 or self.batch % (self.data * self.micro_batches):
