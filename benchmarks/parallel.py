@@ -39,9 +39,11 @@ from engine_core import median_interval, run_sections, section_parser  # noqa: E
 RESULTS = Path(__file__).parent / "results" / "parallel.json"
 SECTIONS = ("training", "overlap", "tensor", "pipeline", "checkpointing", "cuda")
 FULL = {"steps": 50, "worlds": (2, 4), "rounds": 15, "overlap_batches": (8, 32), "micro_batches": tuple(range(1, 17)),
-        "tensor_batch": 8, "tensor_tokens": 128, "checkpoint_batch": 8}
+        "tensor_batch": 8, "tensor_tokens": 128, "checkpoint_batch": 8,
+        "pipeline_repeats": 7}
 QUICK = {"steps": 4, "worlds": (2,), "rounds": 3, "overlap_batches": (8,), "micro_batches": (1, 4),
-         "tensor_batch": 2, "tensor_tokens": 32, "checkpoint_batch": 2}
+         "tensor_batch": 2, "tensor_tokens": 32, "checkpoint_batch": 2,
+         "pipeline_repeats": 2}
 
 
 def interval(values: list[float]) -> dict:
@@ -106,8 +108,9 @@ def tensor(sizes: dict, rounds: int) -> dict:
 def pipeline_bubble(sizes: dict, rounds: int) -> dict:
     from infra_lab.parallel import pipeline_runs
 
-    rows = pipeline_runs.measure_bubble(2, sizes["micro_batches"], repeats=rounds, timeout_s=3000)
-    return {"stages": 2, "repeats": rounds, "sizes": {"d": 128, "blocks": 2, "micro_batch": 8, "tokens": 128},
+    repeats = min(rounds, sizes["pipeline_repeats"])
+    rows = pipeline_runs.measure_bubble(2, sizes["micro_batches"], repeats=repeats, timeout_s=3000)
+    return {"stages": 2, "repeats": repeats, "sizes": {"d": 128, "blocks": 2, "micro_batch": 8, "tokens": 128},
             "rows": rows, "worst_relative_gap": max(abs(r["measured"] / r["formula"] - 1) for r in rows)}
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch  # noqa: F401 - the ZeRO-1 steps below run from their source, with torch and dist
 import torch.distributed as dist  # noqa: F401
 
-from infra_lab.grading import ch10, checks
+from infra_lab.grading import ch10, ch10_ranks, checks
 
 NAMES = ["memory_per_rank", "zero2_step", "parallel_linear", "one_f_one_b"]
 
@@ -94,7 +94,7 @@ def zero1_all_reduce(flat_params, flat_grads, shard, optimizer):
 @pytest.mark.grader
 def test_the_zero1_check_trains_the_real_model_and_names_mistakes():
     assert run("zero1_step", ch10.zero1_step).passed == 24  # the reference short-cuts: now run its source
-    source = ch10.source_of(ch10.zero1_step).replace("def zero1_step", "def package_zero1_step")
+    source = ch10.source_of(ch10_ranks.zero1_step).replace("def zero1_step", "def package_zero1_step")
     ranks = ch10._trained(source, "package_zero1_step")
     assert not ranks[0].get("error") and all(case["match"] for r in ranks for case in r["cases"])
     losses = np.mean([r["losses"] for r in ranks], axis=0)

@@ -30,8 +30,8 @@ def test_every_part_is_non_negative_and_memory_matches_the_memory_model(stage, t
     assert (split["pipeline bubble"] == 0) == (pipeline == 1)
     assert (split["tensor-parallel communication"] == 0) == (tensor == 1)
     held = plan.memory_per_gpu(setting)
-    assert held == memory.per_rank(SHAPE.params, SHAPE.layers, SHAPE.hidden, SHAPE.heads, 2048, setting.micro_batch,
-                                   setting.data, stage, tensor, pipeline, 8, "1f1b", recompute)
+    assert held == memory.per_rank(SHAPE.params, SHAPE.layers, SHAPE.hidden, SHAPE.heads, 2048, 1, setting.data, stage,
+                                   tensor, pipeline, 512 // setting.data, "1f1b", recompute)
 
 
 def test_recomputation_costs_a_third_more_compute_and_saves_activations():
@@ -41,7 +41,10 @@ def test_recomputation_costs_a_third_more_compute_and_saves_activations():
 
 
 def test_more_micro_batches_shrink_the_bubble():
-    bubbles = [plan.time_split(plan.Plan(SHAPE, pipeline=4, micro_batches=m))["pipeline bubble"] for m in (1, 2, 4, 8)]
+    # smaller micro-batches, more of them: the bubble's (p - 1) / m of the compute shrinks
+    settings = [plan.Plan(SHAPE, pipeline=4, micro_batch=b) for b in (32, 8, 2, 1)]
+    assert [s.micro_batches for s in settings] == [1, 4, 16, 32]
+    bubbles = [plan.time_split(s)["pipeline bubble"] for s in settings]
     assert bubbles == sorted(bubbles, reverse=True)
 
 
@@ -49,7 +52,7 @@ def test_more_micro_batches_shrink_the_bubble():
     ({"tensor": 16}, "tensor parallelism stays within a node"),
     ({"tensor": 3}, "tensor x pipeline = 3 x 1 must divide the 64 GPUs"),
     ({"pipeline": 64}, "64 pipeline stages cannot share 32 layers"),
-    ({"micro_batches": 3}, "does not split into 64 data-parallel ranks x 3 micro-batches"),
+    ({"micro_batch": 3}, "does not split into 64 data-parallel ranks x micro-batches of 3"),
     ({"gpu": "B200"}, "unknown GPU 'B200'"),
 ])
 def test_bad_layouts_are_named(kwargs, message):

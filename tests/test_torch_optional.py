@@ -12,7 +12,13 @@ import textwrap
 HIDE_TORCH = 'import sys\nsys.modules.update(torch=None, triton=None)  # as if not installed\n'
 TORCH_FACES = {"infra_lab.model.torch_model", "infra_lab.model.train", "infra_lab.model.precision",
                "infra_lab.moe.torch_moe", "infra_lab.moe.expert_parallel",
-               "infra_lab.moe.ep_runs"}  # and every *_triton kernel
+               "infra_lab.moe.ep_runs",
+               # chapter 10 trains across processes with torch.distributed: all of it but the models
+               # (memory, plan, ring) needs torch
+               *(f"infra_lab.parallel.{name}" for name in (
+                   "comm", "units", "ddp", "zero", "zero3", "runs", "tensor", "pipeline", "pipeline_runs",
+                   "checkpointing")),
+               "infra_lab.grading.ch10_ranks"}  # and every *_triton kernel
 
 
 def run_without_torch(code: str) -> subprocess.CompletedProcess:

@@ -19,6 +19,7 @@ no pyplot state is left open. `parallel.pipeline` needs torch and is imported on
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 from fractions import Fraction
 
 import numpy as np
@@ -503,3 +504,15 @@ def draw_plan(plan: cost.Plan) -> Figure:
                 f"{plan.micro_batch} × {plan.sequence} tokens, recompute {'on' if plan.recompute else 'off'}",
                 ha="left", va="top", fontsize=TITLE_PT, gid="title")
     return figure
+
+
+def draw_plan_or_why(plan: cost.Plan) -> Figure:
+    """`draw_plan`, or for a plan the cluster cannot run (a layout that does not divide the GPUs,
+    the heads or the batch) a figure that says why, so a live explorer never shows a traceback."""
+    try:
+        return draw_plan(plan)
+    except ValueError as error:
+        figure = Figure(figsize=(WIDTH_IN, 1.2))
+        figure.text(0.02, 0.5, textwrap.fill(f"This setting cannot run: {error}.", 90), va="center",
+                    fontsize=FONT_PT)
+        return figure

@@ -64,10 +64,21 @@ def _one_case(step, reference, elements: int, seed: int) -> dict:
     return {"elements": elements, "match": False, "what": what}
 
 
+def zero1_step(flat_params, flat_grads, shard, optimizer):
+    """The package's ZeRO-1 step, the reference: reduce-scatter the gradients, average, step this
+    rank's shard, all-gather the shards into every rank's parameters."""
+    world = dist.get_world_size()
+    grad_shard = torch.empty_like(shard)
+    dist.reduce_scatter_single(grad_shard, flat_grads)
+    shard.grad = grad_shard / world
+    optimizer.step()
+    dist.all_gather_single(flat_params, shard.detach().clone())
+
+
 def zero1_rank(source: str, name: str, steps: int) -> dict:
-    from infra_lab.grading.ch10 import zero1_step as reference
     from infra_lab.parallel import runs
 
+    reference = zero1_step
     rank, world = dist.get_rank(), dist.get_world_size()
     counting = CountingDist()
     try:

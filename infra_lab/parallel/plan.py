@@ -47,8 +47,8 @@ class Shape:
 
 SHAPES = {shape.name: shape for shape in (
     Shape("GPT-3 XL 1.3B", 24, 2048, 16, "Brown et al. 2020, Table 2.1"),
-    Shape("GPT-3 6.7B", 32, 4096, 32, "Brown et al. 2020, Table 2.1"),
     Shape("GPT-3 2.7B", 32, 2560, 32, "Brown et al. 2020, Table 2.1"),
+    Shape("GPT-3 6.7B", 32, 4096, 32, "Brown et al. 2020, Table 2.1"),
     Shape("GPT-3 175B", 96, 12288, 96, "Brown et al. 2020, Table 2.1"),
 )}
 
@@ -62,7 +62,7 @@ class Plan:
     stage: int = 1
     tensor: int = 1
     pipeline: int = 1
-    micro_batches: int = 8
+    micro_batch: int = 1  # sequences per micro-batch; each data-parallel rank runs batch / (data x this) of them
     recompute: bool = False
     gpu: str = "H100 SXM"
 
@@ -71,8 +71,9 @@ class Plan:
         return self.gpus // (self.tensor * self.pipeline)
 
     @property
-    def micro_batch(self) -> int:
-        return self.batch // (self.data * self.micro_batches)
+    def micro_batches(self) -> int:
+        """Micro-batches per step on each data-parallel rank (gradient accumulation; the pipeline's m)."""
+        return self.batch // (self.data * self.micro_batch)
 
     def check(self) -> None:
         if self.gpu not in GPUS:
@@ -86,9 +87,9 @@ class Plan:
                              f"and the width {self.shape.hidden}")
         if self.shape.layers % self.pipeline:
             raise ValueError(f"{self.pipeline} pipeline stages cannot share {self.shape.layers} layers evenly")
-        if self.micro_batches < 1 or self.batch % (self.data * self.micro_batches):
+        if self.micro_batch < 1 or self.batch % (self.data * self.micro_batch):
             raise ValueError(f"a batch of {self.batch} sequences does not split into {self.data} data-parallel "
-                             f"ranks x {self.micro_batches} micro-batches")
+                             f"ranks x micro-batches of {self.micro_batch}")
 
 
 def memory_per_gpu(plan: Plan) -> dict[str, float]:
