@@ -14,7 +14,7 @@ MATHJAX_VERSION := 3.2.2
 MATHJAX := book/_static/mathjax
 MATHJAX_STAMP := $(MATHJAX)/.mathjax-$(MATHJAX_VERSION)
 
-.PHONY: install book test chromium exercises mathjax clean
+.PHONY: install book test check numerics chromium exercises mathjax clean
 
 install: $(STAMP)
 
@@ -41,8 +41,9 @@ $(MATHJAX_STAMP):
 
 # TQDM_DISABLE=1 reaches the notebook kernels (they inherit the environment): progress bars
 # are for live learners, and a finished bar leaves an empty widget on the page.
+# The page is the full-size run: INFRA_LAB_QUICK (infra_lab.sizes) is unset for the build.
 book: $(STAMP) $(MATHJAX_STAMP)
-	TQDM_DISABLE=1 $(BIN)/jupyter-book build . --warningiserror --keep-going
+	env -u INFRA_LAB_QUICK TQDM_DISABLE=1 $(BIN)/jupyter-book build . --warningiserror --keep-going
 	@echo "The book is at $(abspath _build/html/index.html)"
 
 chromium:
@@ -52,12 +53,23 @@ chromium:
 
 # The chapters in book/ have no check cells: `make book` has executed each of them already, and
 # fails on any cell error, so nbval runs only the solutions (their check cells compare output).
-# Two workers, one file each at a time (a notebook's cells stay in order on one worker): most of
-# the suite is single-threaded Python. The grader's tests time hangs and floods, so they run
-# afterwards, alone.
+# Two workers, the tests spread one by one, but a notebook's cells stay in order on one worker,
+# and so do the tests that share a module's processes (tests/conftest.py): most of the suite is
+# single-threaded Python. The grader's tests time hangs and floods, so they run afterwards, alone.
 test: book chromium
-	$(BIN)/python -m pytest tests solutions --nbval-lax -q -n 2 --dist loadfile -m "not grader" --durations=25
+	$(BIN)/python -m pytest tests solutions --nbval-lax -q -n 2 --dist loadgroup -m "not grader" --durations=25
 	$(BIN)/python -m pytest tests -q -m grader
+
+# The inner loop of development: the unit and property tests without the slow ones (processes,
+# notebooks, training; `-m slow` lists them), on two workers, in about 5 minutes here. It needs
+# no book build. `make test` stays what CI runs.
+check: $(STAMP)
+	$(BIN)/python -m pytest tests -q -n 2 -m "not slow and not site and not grader" --durations=10
+
+# The tests that compare computations equal in exact arithmetic, under 1 and 2 threads and
+# numpy's OpenBLAS forced to other kernels: a tolerance that holds on one CPU only fails here.
+numerics: $(STAMP)
+	$(BIN)/python tests/numerics_matrix.py
 
 exercises: $(STAMP)
 	$(BIN)/infra-lab assign

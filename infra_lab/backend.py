@@ -161,4 +161,7 @@ def describe() -> str:
     for module in ("numpy", "numba", "torch"):
         version = _version(module)
         versions.append(f"{module} {version if version else 'not installed'}")
-    return f"infra_lab backend: {chosen.name} on {where} | " + ", ".join(versions)
+    from infra_lab import sizes
+
+    quick = " | quick sizes (INFRA_LAB_QUICK): not the page's figures" if sizes.is_quick() else ""
+    return f"infra_lab backend: {chosen.name} on {where} | " + ", ".join(versions) + quick

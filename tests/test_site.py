@@ -133,6 +133,16 @@ def test_the_site_has_every_page_of_the_toc_and_no_other():
     assert "book/ch00_stack.html" in CHAPTERS
 
 
+def test_no_page_shows_quick_sizes():
+    """A run with INFRA_LAB_QUICK (infra_lab.sizes) says so on its first line; the page is the
+    full-size run, so no built page carries that line."""
+    from infra_lab import sizes
+
+    quick = [p.relative_to(SITE).as_posix() for p in SITE.rglob("*.html")
+             if f"quick sizes ({sizes.ENVIRONMENT})" in p.read_text(encoding="utf-8")]
+    assert quick == [], f"built with {sizes.ENVIRONMENT} set: {quick}"
+
+
 @pytest.mark.parametrize("relative", PAGES)
 def test_page_loads_offline_without_console_errors(visit, relative):
     page = visit(relative)
