@@ -12,12 +12,6 @@ def run(name, candidate):
     return checks._run(checks._lookup(name), candidate)
 
 
-def test_the_references_pass_their_own_checks():
-    for name in ("match_prefix", "insert", "evict", "longest_prefix_first"):
-        result = run(f"ch04.{name}", getattr(ch04, name))
-        assert result.passed == result.total, result.first_failure
-
-
 def test_eviction_that_ignores_locks_fails():
     def ignores_locks(cache, n_tokens):
         saved = {}

@@ -1,5 +1,6 @@
-"""Chapter 05's checks: the references pass, plausible wrong answers fail and say where, the
-references call the package, and the last check's reference gives each request its tokens alone."""
+"""Chapter 05's checks: plausible wrong answers fail and say where, the last check's cases
+preempt, and its reference gives each request its tokens alone (what nbval's run of
+solutions/ holds: an independent answer passes every check)."""
 import zlib
 from collections import deque
 
@@ -24,15 +25,7 @@ def cases(name):
     return [spec.draw_case(rng) for _ in range(spec.n_cases)]
 
 
-@pytest.mark.parametrize("name", ["admit", "plan_step", "preempt", "serving_metrics"])
-def test_the_references_pass_their_own_checks(name):
-    result = run(name, getattr(ch05, name))
-    assert result.passed == result.total == 24, result.first_failure
-
-
-def test_the_package_scheduler_passes_the_serving_check_and_preempts_in_many_cases():
-    result = run("YourScheduler", Scheduler)
-    assert result.passed == result.total == 24, result.first_failure
+def test_the_serving_check_preempts_in_many_of_its_cases():
     preempted = 0
     for policy, max_batch, budget, chunk, num_blocks, block_size, prompts, max_tokens in cases("YourScheduler"):
         config = EngineConfig(policy=policy, max_batch=max_batch, token_budget=budget, chunk_size=chunk,

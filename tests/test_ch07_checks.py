@@ -1,4 +1,4 @@
-"""Chapter 07's checks: the references pass, plausible wrong answers fail and say how, the cases
+"""Chapter 07's checks: plausible wrong answers fail and say how, the cases
 cover what the statements promise, and a correct rule that draws its random numbers in another
 order passes too."""
 import dataclasses
@@ -44,12 +44,6 @@ def failures(rule, chosen=RULE_CASES):
         except Exception as error:
             found.append(f"{type(error).__name__}: {error}")
     return found
-
-
-@pytest.mark.parametrize("name", ["expected_tokens", "best_gamma", "verify_greedy", "rollback", "accept_sampling"])
-def test_the_references_pass_their_own_checks(name):
-    result = run(name, getattr(ch07, name))
-    assert result.passed == result.total == 24, result.first_failure
 
 
 def test_the_cases_cover_the_edges_the_statements_name():

@@ -1,4 +1,4 @@
-"""Chapter 10's checks: the references pass, plausible wrong answers fail and say why, and the last
+"""Chapter 10's checks: plausible wrong answers fail and say why, and the last
 check runs the reader's ZeRO-1 step on two processes training the real model: the package's own
 passes, a step that sums instead of averaging and one that uses an all-reduce fail by name."""
 import numpy as np
@@ -20,12 +20,6 @@ def fails(name, wrong, says):
     assert result.passed < result.total
     assert result.line.startswith(f"FAIL ch10.{name} ") and says in result.first_failure, result.first_failure
     return result
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_the_references_pass_their_own_checks(name):
-    result = run(name, getattr(ch10, name))
-    assert result.passed == result.total, result.first_failure
 
 
 def test_memory_mistakes_are_named():

@@ -1,8 +1,6 @@
 """The serving engine (chapter 05): whatever the policy, the preemption, the prefix cache and the
 backend, each request gets the tokens it gets alone (greedy, or sampled with its own seed), every
 block goes back, and bad input is refused by name with the engine left as it was."""
-from collections import Counter
-
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -13,6 +11,7 @@ from infra_lab.serving.config import EngineConfig
 from infra_lab.serving.engine import Engine
 from infra_lab.serving.request import RequestState, SamplingParams
 from infra_lab.serving.traffic import TimedRequest
+from conftest import FOUR, GREEDY, alone, check_blocks, check_clean, check_step_rules, finish, run
 
 BACKENDS = ["numba", "torch"]
 SHARED = [list(b"def main():\n    "), list(b"import numpy as np\n")]  # openings that prompts share
@@ -24,84 +23,6 @@ CASES = [("static", "recompute", None), ("dynamic", "recompute", None)] + [
 @pytest.fixture(scope="module")
 def target():
     return model.load("target")
-
-
-_ALONE: dict = {}
-
-
-def alone(target, prompt: list[int], params: SamplingParams, name: str) -> list[int]:
-    """The request's tokens from infra_lab.model.generate (one contiguous cache, no engine), cut
-    after its first stop token."""
-    key = (tuple(prompt), params, name)
-    if key not in _ALONE:
-        out = model.generate(target, prompt, params.max_tokens, params.temperature, params.top_k, params.top_p,
-                             params.seed, backend=backend.resolve(name, "cpu")).new_tokens
-        stops = [i for i, t in enumerate(out) if t in params.stop_tokens]
-        _ALONE[key] = out[:stops[0] + 1] if stops else out
-    return _ALONE[key]
-
-
-def tree_slots(engine) -> list[int]:
-    tree = engine.blocks.tree
-    slots, stack = [], list(tree.root.children.values()) if tree else []
-    while stack:
-        node = stack.pop()
-        slots += node.slots.tolist()
-        stack += node.children.values()
-    return slots
-
-
-def check_blocks(engine) -> None:
-    """Between steps, every block's reference count is the number of tables and tree edges that
-    hold it, and the host pool holds exactly the swapped requests' blocks."""
-    pool, blocks = engine.blocks.pool, engine.blocks
-    holders = Counter(b for table in pool.tables.values() for b in table) + Counter(tree_slots(engine))
-    assert pool.allocator.ref_counts == [holders[b] for b in range(pool.allocator.num_blocks)]
-    if blocks.host:
-        swapped = sum(len(s.host_blocks) for s in blocks.swapped.values())
-        assert blocks.host.num_free + swapped == engine.config.host_blocks
-
-
-def check_clean(engine) -> None:
-    """After a run: every block is free but those the tree caches, the host pool is empty, no
-    queue holds anything, nothing stays locked."""
-    check_blocks(engine)
-    tree = engine.blocks.tree
-    assert engine.blocks.pool.num_free + (tree.total_size if tree else 0) == engine.config.num_blocks
-    assert not engine.blocks.pool.tables and not engine.blocks.locked and not engine.blocks.swapped
-    assert tree is None or tree.locked_size == 0
-    scheduler = engine.scheduler
-    assert not scheduler.waiting and not scheduler.running and not scheduler.swapped
-    assert all(r.is_done for r in engine.requests.values())
-
-
-def check_step_rules(engine) -> None:
-    """Every step stays in the token budget; chunked: decodes come before prefill chunks (those of
-    requests that were running; swapped-in ones follow), and no chunk exceeds chunk_size."""
-    config = engine.config
-    for record in engine.log:
-        if not config.batch_at_once:
-            assert record.n_tokens <= config.token_budget, record
-        if config.chunked:
-            kinds = [w.kind for w in record.work if w.request_id not in record.swapped_in]
-            assert kinds == sorted(kinds), record  # "decode" < "prefill"
-            assert all(w.n_tokens <= config.prefill_chunk for w in record.work if w.kind == "prefill"), record
-
-
-def run(engine, arrivals: list[tuple[int, list[int], SamplingParams]]) -> dict[int, list[int]]:
-    """Add each (step, prompt, params) before that step; step until all end. Returns what step()
-    said each request produced."""
-    pending, produced, step = sorted(arrivals, key=lambda a: a[0]), {}, 0
-    while pending or engine.has_unfinished:
-        while pending and pending[0][0] <= step:
-            engine.add_request(pending[0][1], pending[0][2])
-            pending.pop(0)
-        for out in engine.step():
-            produced.setdefault(out.request_id, []).append(out.token)
-        check_blocks(engine)
-        step += 1
-        assert step < 3000, "the engine made no progress"
-    return produced
 
 
 def make_config(policy, preemption, cache, rng, longest: int) -> EngineConfig:
@@ -176,10 +97,6 @@ def test_a_burst_in_a_pool_for_one_preempts_and_the_tokens_stay_exact(target, na
 
 # ---- the API -------------------------------------------------------------------------------------
 
-FOUR = [list(b"def "), list(b"for "), list(b"if x"), list(b"impo")]  # one block of 4 each
-GREEDY = SamplingParams(max_tokens=8)
-
-
 def pressed(target, preemption="swap", name="numba"):
     """A, B, C admitted in one step, D waiting (max_batch 3); in the next step A's decode takes
     the last free block and B's preempts C. After it: A, B run, C is swapped (or waits to be
@@ -191,14 +108,6 @@ def pressed(target, preemption="swap", name="numba"):
     engine.step()
     engine.step()
     return engine, ids
-
-
-def finish(engine) -> None:
-    for _ in range(3000):
-        if not engine.has_unfinished:
-            return
-        engine.step()
-    raise AssertionError("the engine made no progress")
 
 
 @pytest.mark.parametrize("name", BACKENDS)

@@ -11,7 +11,7 @@ from infra_lab.serving.clock import VirtualClock
 from infra_lab.serving.config import EngineConfig
 from infra_lab.serving.engine import Engine
 from infra_lab.serving.request import RequestState, SamplingParams
-from test_engine import FOUR, GREEDY, alone, check_blocks, check_clean, check_step_rules, finish
+from conftest import FOUR, GREEDY, alone, check_blocks, check_clean, check_step_rules, finish
 
 IDS = [7, 3, 5, 1]  # added in this order: admission order, not id order, picks the victim
 

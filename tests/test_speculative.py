@@ -9,9 +9,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from infra_lab import backend as backends
-from infra_lab.model.config import ModelConfig, weight_shapes
 from infra_lab.model.generate import generate
-from infra_lab.model.transformer import Transformer, load
+from infra_lab.model.transformer import load
 from infra_lab.serving.drafters import Draft, Drafter, ModelDrafter, PromptLookupDrafter
 from infra_lab.serving.exactness import fit
 from infra_lab.serving.request import SamplingParams
@@ -19,6 +18,7 @@ from infra_lab.serving.speculative import (Tally, Verdict, accept, accept_all, a
                                            best_gamma, check_gamma, expected_tokens, speculative_generate,
                                            speedup)
 from infra_lab.serving.traffic import stdlib_prompts
+from conftest import tiny_model
 
 BAD_GAMMAS = [0, -1, 1.5, True, "2", None]
 
@@ -31,13 +31,6 @@ def target():
 @pytest.fixture(scope="module")
 def draft():
     return load("draft")
-
-
-def tiny_model(vocab: int, seed: int = 0) -> Transformer:
-    """A one-layer model with random weights and a vocabulary of its own."""
-    config = ModelConfig("tiny", n_layers=1, d_model=16, n_heads=2, n_kv_heads=1, d_ff=32, vocab=vocab)
-    rng = np.random.default_rng(seed)
-    return Transformer(config, {name: rng.normal(0, 0.1, shape) for name, shape in weight_shapes(config).items()})
 
 
 # ---- theory ----------------------------------------------------------------------------------------

@@ -14,8 +14,8 @@ from infra_lab.serving.drafters import Draft, Drafter, ModelDrafter, PromptLooku
 from infra_lab.serving.engine import Engine
 from infra_lab.serving.request import RequestState, SamplingParams
 from infra_lab.serving.traffic import stdlib_prompts
-from test_engine import check_blocks, check_clean, run
-from test_speculative import tiny_model
+from conftest import check_blocks, check_clean, run
+from conftest import tiny_model
 
 # Two from the corpus (code repeats: prompt lookup drafts well), one of random bytes (it does not).
 PROMPTS = stdlib_prompts([20, 37], seed=2) + [np.random.default_rng(0).integers(32, 127, 9).tolist()]
