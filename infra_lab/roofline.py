@@ -124,9 +124,9 @@ def preset(name: str) -> ModelConfig:
 
 
 def critical_batch(config: ModelConfig, device: Device, dtype: str,
-                   context: int = 0) -> float:
-    """Smallest decode batch whose step is compute-bound on `device`; math.inf if none
-    is (when the KV cache read per sequence outweighs the weights it shares)."""
+                   context: int = 0, max_batch: int = 2**24) -> float:
+    """Smallest decode batch up to `max_batch` whose step is compute-bound on `device`; math.inf
+    if none is (when the KV cache read per sequence outweighs the weights it shares)."""
     ridge = ridge_point(device, dtype)
 
     def compute_bound(batch: int) -> bool:
@@ -135,7 +135,7 @@ def critical_batch(config: ModelConfig, device: Device, dtype: str,
     high = 1
     while not compute_bound(high):
         high *= 2
-        if high > 2**24:
+        if high > max_batch:
             return math.inf
     low = high // 2  # not compute-bound (or 0)
     while high - low > 1:

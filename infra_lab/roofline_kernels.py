@@ -239,9 +239,14 @@ def run_all_torch(plan: dict, device: str = "cuda", repeats: int = 10) -> list[K
     return runs
 
 
+# a quick run's sizes (infra_lab.sizes): every kernel and roof runs, each for milliseconds
+SIZES["quick"] = {"matmul": [64, 256], "gemv": 1024, "triad_bytes": 2**20,
+                  "attention_context": 2048, "roof_matmuls": (256,)}
+
+
 def run_all(size: str = "small", progress: bool = True) -> list[KernelRun]:
-    """Every kernel of the chapter at `size`, each with the roofs measured beside it: "small"
-    or "full" on the CPU (numpy, numba), or "cuda" on the GPU (torch). On the CPU the
+    """Every kernel of the chapter at `size`, each with the roofs measured beside it: "small",
+    "full" or "quick" on the CPU (numpy, numba), or "cuda" on the GPU (torch). On the CPU the
     matmuls come first, from small to large, then the compute roof, the fastest of a few
     larger cubes (a small call right after a large one can wait for the library's threads),
     then each memory-bound kernel in turns with its roof."""
