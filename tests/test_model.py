@@ -19,6 +19,7 @@ def tokens():
     return np.random.default_rng(0).integers(0, 256, 300)
 
 
+@pytest.mark.numerics
 def test_backends_give_the_same_logits(untrained, tokens):
     reference = untrained.forward(tokens, backend=backend.resolve("torch", "cpu"))
     assert reference.shape == (300, 256)
@@ -26,6 +27,7 @@ def test_backends_give_the_same_logits(untrained, tokens):
         assert np.abs(untrained.forward(tokens, backend=backend.resolve(name)) - reference).max() <= 1e-4
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("name", ["numba", "numpy", "torch"])
 def test_cached_steps_equal_one_full_pass(untrained, tokens, name):
     chosen = backend.resolve(name, "cpu")
@@ -37,6 +39,7 @@ def test_cached_steps_equal_one_full_pass(untrained, tokens, name):
     assert np.abs(np.concatenate(pieces) - full).max() <= 1e-4
 
 
+@pytest.mark.numerics
 def test_greedy_generation_is_the_same_with_and_without_the_cache(untrained):
     cached = model.generate(untrained, "def f(x):", 40, temperature=0)
     recomputed = model.generate(untrained, "def f(x):", 40, temperature=0, use_cache=False)
@@ -127,3 +130,13 @@ def test_validation_files_are_held_out():
     train_bytes, validation = corpus.load()
     assert len(validation) > 100_000 and len(train_bytes) > 20 * len(validation)
     assert 4 < corpus.unigram_bits_per_byte(train_bytes, validation) < 6
+
+
+def test_training_leaves_torchs_deterministic_setting_as_it_found_it(tmp_path):
+    import torch
+
+    from infra_lab.model.train import train
+
+    assert not torch.are_deterministic_algorithms_enabled()
+    train("draft", tmp_path / "w.npz", steps=1, progress=False, eval_windows=1)
+    assert not torch.are_deterministic_algorithms_enabled()

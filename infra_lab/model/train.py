@@ -5,6 +5,7 @@ AdamW with a linear warm-up and cosine decay over random 512-byte windows of the
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import time
 from pathlib import Path
@@ -52,6 +53,20 @@ def bits_per_byte(model: TorchTransformer, data: np.ndarray, window: int = 512, 
     return total / count / math.log(2)
 
 
+def _restores_deterministic_algorithms(function):
+    """`function` may turn on torch's deterministic kernels; the caller gets the setting it had."""
+    @functools.wraps(function)
+    def wrapped(*args, **kwargs):
+        enabled = torch.are_deterministic_algorithms_enabled()
+        warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+    return wrapped
+
+
+@_restores_deterministic_algorithms
 def train(size: str, out: Path, seed: int = 0, steps: int | None = None, progress: bool = True,
           eval_windows: int | None = None, balancing: str = "bias", bias_rate: float = BIAS_RATE,
           bias_window: int = BIAS_WINDOW, aux_weight: float = AUX_WEIGHT) -> dict:
