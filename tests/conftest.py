@@ -2,7 +2,8 @@
 files use (imported as `from conftest import ...`): the engine's bookkeeping checks and a
 request's tokens alone (test_engine, test_scheduler, test_speculative_engine), a tiny random
 model (test_speculative, test_speculative_engine), and a scattered KV pool with its relative
-error (test_extend_attention, test_extend_triton)."""
+error and the error float32 explains (test_extend_attention, test_extend_triton). Tolerances
+derived from sizes live in tests/_numerics.py, which spawned processes import too."""
 import os
 from collections import Counter
 from pathlib import Path
@@ -11,7 +12,9 @@ import numpy as np
 import pytest
 from hypothesis import settings
 
+from _numerics import fp32_tolerance
 from infra_lab import backend, model
+from infra_lab.kernels import paged_attention
 from infra_lab.model.config import ModelConfig, weight_shapes
 from infra_lab.model.transformer import Transformer
 from infra_lab.serving.request import SamplingParams
@@ -137,3 +140,48 @@ def tiny_model(vocab: int, seed: int = 0) -> Transformer:
     config = ModelConfig("tiny", n_layers=1, d_model=16, n_heads=2, n_kv_heads=1, d_ff=32, vocab=vocab)
     rng = np.random.default_rng(seed)
     return Transformer(config, {name: rng.normal(0, 0.1, shape) for name, shape in weight_shapes(config).items()})
+
+
+# ---- extend attention's pools ---------------------------------------------------------------------
+
+def scattered_pool(rng, query_lens, prefix_lens, n_kv, group, d, block_size):
+    """q, k_pool, v_pool (views of one K-beside-V pool), block tables of blocks scattered at
+    random, query_starts and context_lens, for sequences adding `query_lens` tokens after
+    `prefix_lens` cached ones."""
+    context = np.asarray(prefix_lens) + np.asarray(query_lens)
+    per_seq = -(-context // block_size)
+    num_blocks = int(per_seq.sum()) + 3
+    pool = rng.standard_normal((num_blocks, 2, block_size, n_kv, d)).astype(np.float32)
+    order = rng.permutation(num_blocks)
+    tables = np.full((len(context), per_seq.max()), -1, np.int64)
+    used = 0
+    for b, n in enumerate(per_seq):
+        tables[b, :n] = order[used:used + n]
+        used += n
+    starts = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int64)
+    q = rng.standard_normal((starts[-1], n_kv * group, d)).astype(np.float32)
+    return q, pool[:, 0], pool[:, 1], tables, starts, context
+
+
+def relative_error(got, reference) -> float:
+    return float(np.abs(np.asarray(got, np.float64) - reference).max() / np.abs(reference).max())
+
+
+def tolerance(args, reference) -> float:
+    """The largest relative_error float32 rounding explains, statistically (errors of random
+    sign): a score is a dot of D terms, A = max sum_t |q_t k_t| / sqrt(D) over the pairs, off by
+    about sqrt(D) eps A; a softmax weight by twice that (its own score and the row's sum) plus
+    the sums over the L <= context keys of both weights and weighted values, 2 sqrt(L) eps; a few
+    more eps for exp and the final division. The output moves by that times max |v|."""
+    q, k_pool, v_pool, tables, starts, context = args
+    d = q.shape[-1]
+    keys, values = (paged_attention.gather(pool, tables, context) for pool in (k_pool, v_pool))  # (B, ctx, K, D)
+    largest_score, largest_value = 0.0, 0.0
+    for b, length in enumerate(context):
+        queries = np.abs(q[starts[b]:starts[b + 1]].astype(np.float64)).reshape(-1, d)
+        own = np.abs(keys[b, :length].astype(np.float64)).reshape(-1, d)
+        largest_score = max(largest_score, float((queries @ own.T).max()) / np.sqrt(d))
+        largest_value = max(largest_value, float(np.abs(values[b, :length]).max()))
+    terms = fp32_tolerance(d, 2 * largest_score, statistical=True) + fp32_tolerance(int(context.max()), 2,
+                                                                                       statistical=True)
+    return (terms + fp32_tolerance(4)) * largest_value / float(np.abs(reference).max())

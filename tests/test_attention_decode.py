@@ -15,6 +15,7 @@ def inputs(seed, batch, n_kv, group, d, max_len):
     return q, k, v, lengths
 
 
+@pytest.mark.numerics
 @given(seed=st.integers(0, 2**32 - 1), batch=st.integers(1, 4), n_kv=st.integers(1, 3),
        group=st.sampled_from([1, 2, 4]), d=st.sampled_from([1, 8, 64]), max_len=st.integers(1, 80))
 def test_three_faces_agree_with_the_float64_reference(seed, batch, n_kv, group, d, max_len):
@@ -26,6 +27,7 @@ def test_three_faces_agree_with_the_float64_reference(seed, batch, n_kv, group, 
         np.testing.assert_allclose(got, reference, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
+@pytest.mark.numerics
 def test_positions_past_the_length_are_ignored():
     q, k, v, lengths = inputs(0, 2, 2, 2, 16, 12)
     lengths = np.array([5, 12])

@@ -37,6 +37,7 @@ def package_gptq(weights, inputs, bits, group):
     return gptq.gptq(weights, inputs, bits, group)
 
 
+@pytest.mark.slow
 def test_the_packages_gptq_passes_the_quantizer_check():
     result = run("my_quantizer", package_gptq)
     assert result.passed == result.total == 24, result.first_failure

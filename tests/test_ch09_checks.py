@@ -4,6 +4,7 @@ and a bias step of the wrong sign fails."""
 import dataclasses
 
 import numpy as np
+import pytest
 
 from infra_lab.grading import ch09, checks
 from infra_lab.grading.ch09 import top_k_gating  # noqa: F401 - the last check finds it beside balance_step
@@ -120,6 +121,7 @@ def _own_balance_step(biases, experts_per_layer, n_experts, rate):  # a reader's
 SHORT_STEPS = 10  # the check trains TRAIN_STEPS (300); nbval's run of solutions/ holds that bar
 
 
+@pytest.mark.slow
 def test_the_last_checks_training_balances_the_reset_moe_within_a_few_steps():
     """The check's training for a few steps: the reset biases let the loads drift past the bar,
     and a correct bias step pulls every layer back (on this machine 10 steps take the worst

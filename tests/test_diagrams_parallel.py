@@ -20,6 +20,8 @@ from infra_lab.figures import MAX_WIDTH_IN, MIN_FONT_PT
 from infra_lab.parallel import memory, plan as cost
 from infra_lab.processes import run_on_ranks
 
+pytestmark = pytest.mark.xdist_group("diagrams_parallel_run")  # one worker builds the module's fixture
+
 WORLD, MICRO = 2, 4  # 2 processes: the machine has 2 cores
 PIPELINE_SIZES = {"d": 32, "blocks": 1, "micro_batch": 2, "tokens": 32}
 UNITS = {"TB": 1e12, "GB": 1e9, "MB": 1e6, "KB": 1e3, "B": 1.0, "s": 1.0, "ms": 1e-3}
@@ -219,6 +221,7 @@ def test_given_inputs_the_sums_are_written_in():
         ("after all-gather", r, c): sums[c] for r in range(3) for c in range(3)}
 
 
+@pytest.mark.slow
 def test_the_all_reduce_draws_a_real_gloo_run(real_run):
     world = WORLD
     assert [r["before"] for r in real_run] == [[10.0 * r + c for c in range(world)] for r in range(world)]
@@ -258,6 +261,7 @@ def title_shares(figure) -> tuple[float, float]:
     return float(measured) / 100, float(formula) / 100
 
 
+@pytest.mark.slow
 def test_the_pipeline_draws_a_real_runs_log(real_run):
     from infra_lab.parallel import pipeline
 

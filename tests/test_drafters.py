@@ -4,6 +4,7 @@ if it had never drafted the rest, and its q rows proper distributions that give 
 token a chance."""
 import numpy as np
 import pytest
+from _numerics import fp32_tolerance
 from hypothesis import given, settings, strategies as st
 
 from infra_lab import backend as backends
@@ -109,6 +110,7 @@ def snapshot(drafter: ModelDrafter, key: int):
     return list(pool.tokens[seq]), [np.asarray(pool.gather(seq, layer, length)) for layer in layers]
 
 
+@pytest.mark.numerics
 @settings(max_examples=12, deadline=None)
 @given(data=st.data())
 def test_after_a_rejection_the_cache_is_as_if_the_rest_was_never_drafted(draft, data):
@@ -130,8 +132,16 @@ def test_after_a_rejection_the_cache_is_as_if_the_rest_was_never_drafted(draft, 
     assert second.tokens == expected.tokens and np.allclose(second.q, expected.q)
     (ours, our_kv), (theirs, their_kv) = snapshot(drafter, 7), snapshot(fresh, 7)
     assert ours == theirs == tokens + list(second.tokens[:-1])
-    for mine, reference in zip(our_kv, their_kv):
-        assert np.allclose(mine[0], reference[0], atol=1e-5) and np.allclose(mine[1], reference[1], atol=1e-5)
+    c = draft.config
+    # The two caches hold keys and values computed in other chunks: float32 sums taken in other
+    # orders. Layer 0's are a norm and a projection of d terms each (2 d); the last layer's add the
+    # blocks before it: projections (3 d), attention over the tokens, the MLP (d_ff): worst case
+    # n eps32 times the largest value (measured: 2e-6 on values up to 9, about 0.003 of it).
+    through_block = 4 * c.d_model + len(tokens) + c.d_ff
+    for terms, mine, reference in zip((2 * c.d_model, 2 * c.d_model + (c.n_layers - 1) * through_block), our_kv,
+                                      their_kv):
+        for got, want in zip(mine, reference):  # keys, values
+            assert np.abs(got - want).max() <= fp32_tolerance(terms, np.abs(want).max())
     assert drafter.pool.num_free == fresh.pool.num_free  # rejected blocks went back
     drafter.retain(())
     assert full_pool(drafter)
@@ -148,6 +158,7 @@ def test_a_new_round_feeds_only_what_the_cache_lacks(draft):
     assert drafter.pool.tokens[drafter.seqs[0]] == tokens[:4]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, seed=3),
                                     SamplingParams(temperature=0.7, top_k=10, seed=3),
                                     SamplingParams(temperature=1.2, top_p=0.8, seed=3)])

@@ -31,6 +31,7 @@ def contiguous_numba(target, prompts):
     return generate_many(target, prompts, NEW_TOKENS, backend=backend.resolve("numba"))
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("name", ["numba", "torch", "numpy"])
 @pytest.mark.parametrize("block_size", [1, 16, None])  # None: contiguous, a block of the whole context
 def test_greedy_tokens_are_the_same_from_every_layout_and_backend(target, prompts, contiguous_numba, name,
@@ -42,6 +43,7 @@ def test_greedy_tokens_are_the_same_from_every_layout_and_backend(target, prompt
     assert generate_many(target, prompts, NEW_TOKENS, paged=pool, backend=chosen) == contiguous_numba
 
 
+@pytest.mark.numerics
 def test_the_radix_token_pool_gives_the_same_tokens(target, prompts, contiguous_numba):
     queue = prompts + prompts[:2]  # the repeats prefill after a radix hit
     served = radix_serving.serve_model(target, queue, NEW_TOKENS, n_slots=400, cache=RadixCache())
@@ -55,9 +57,11 @@ def run_alone(target, tokens: list[int], chunk: int, chosen) -> np.ndarray:
     return np.concatenate([target.forward(tokens[i:i + chunk], cache, chosen) for i in range(0, len(tokens), chunk)])
 
 
+@pytest.mark.numerics
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), block_size=st.sampled_from([1, 4, 16]),
        name=st.sampled_from(["numba", "torch"]), data=st.data())
+@pytest.mark.slow
 def test_a_mixed_batch_equals_its_sequences_run_alone(target, seed, block_size, name, data):
     """Each step mixes sequences at different stages: a prefill chunk from nothing, a chunk after
     a cached prefix (some of it shared through match_prefix), single-token decodes, and several
@@ -95,6 +99,7 @@ def test_a_mixed_batch_equals_its_sequences_run_alone(target, seed, block_size, 
         assert (mixed.argmax(-1) == alone.argmax(-1)).all()
 
 
+@pytest.mark.numerics
 def test_truncate_rolls_back_drafted_tokens_and_the_model_continues_as_if_they_never_were(target):
     chosen = backend.resolve("numba")
     pool = target.new_paged_cache(40, 4)

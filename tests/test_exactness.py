@@ -107,6 +107,7 @@ def test_exact_first_two_is_the_targets_joint_distribution(models):
     assert ((joint > 0).sum(axis=1) == 5 * (first > 0)).all()
 
 
+@pytest.mark.slow
 def test_the_engine_passes_speculative_sampling_and_rejects_accept_all(models):
     """γ = 3, temperature 1: 1,000 requests through the engine fit the target's exact p(x1) and
     p(x1, x2); a rule that keeps every draft emits the drafter's tokens and fails. The threshold

@@ -1,6 +1,6 @@
 """Extend attention: chunks of queries after a cached prefix, read through block tables. The
 numba and torch faces against the float64 reference, over random prefixes, chunk lengths, block
-sizes and GQA groups (the bar: max relative error 1e-5 in float32)."""
+sizes and GQA groups (the bar: float32's rounding, from the sizes: `tolerance`)."""
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -8,29 +8,7 @@ from hypothesis import given, settings, strategies as st
 from infra_lab import backend
 from infra_lab.kernels import extend_attention as ea
 from infra_lab.kernels import paged_attention
-
-
-def scattered_pool(rng, query_lens, prefix_lens, n_kv, group, d, block_size):
-    """q, k_pool, v_pool (views of one K-beside-V pool), block tables of blocks scattered at
-    random, query_starts and context_lens, for sequences adding `query_lens` tokens after
-    `prefix_lens` cached ones."""
-    context = np.asarray(prefix_lens) + np.asarray(query_lens)
-    per_seq = -(-context // block_size)
-    num_blocks = int(per_seq.sum()) + 3
-    pool = rng.standard_normal((num_blocks, 2, block_size, n_kv, d)).astype(np.float32)
-    order = rng.permutation(num_blocks)
-    tables = np.full((len(context), per_seq.max()), -1, np.int64)
-    used = 0
-    for b, n in enumerate(per_seq):
-        tables[b, :n] = order[used:used + n]
-        used += n
-    starts = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int64)
-    q = rng.standard_normal((starts[-1], n_kv * group, d)).astype(np.float32)
-    return q, pool[:, 0], pool[:, 1], tables, starts, context
-
-
-def relative_error(got, reference) -> float:
-    return float(np.abs(np.asarray(got, np.float64) - reference).max() / np.abs(reference).max())
+from conftest import relative_error, scattered_pool, tolerance
 
 
 cases = dict(seed=st.integers(0, 2**32 - 1), batch=st.integers(1, 4), longest_chunk=st.integers(1, 150),
@@ -38,6 +16,7 @@ cases = dict(seed=st.integers(0, 2**32 - 1), batch=st.integers(1, 4), longest_ch
              d=st.sampled_from([8, 16, 32]), block_size=st.sampled_from([1, 3, 16, 512]))
 
 
+@pytest.mark.numerics
 @settings(max_examples=40, deadline=None)
 @given(**cases)
 def test_numba_and_torch_faces_agree_with_the_reference(seed, batch, longest_chunk, longest_prefix, n_kv, group,
@@ -46,17 +25,20 @@ def test_numba_and_torch_faces_agree_with_the_reference(seed, batch, longest_chu
     args = scattered_pool(rng, rng.integers(1, longest_chunk + 1, batch), rng.integers(0, longest_prefix + 1, batch),
                           n_kv, group, d, block_size)
     reference = ea.extend_attention_numpy(*args)
-    assert relative_error(ea.extend_attention_numba(*args), reference) <= 1e-5
-    assert relative_error(ea.extend_attention_torch(*args), reference) <= 1e-5
+    bound = tolerance(args, reference)  # measured: up to 0.03 of it (the old bar 1e-5: up to 0.11)
+    assert relative_error(ea.extend_attention_numba(*args), reference) <= bound
+    assert relative_error(ea.extend_attention_torch(*args), reference) <= bound
 
 
+@pytest.mark.numerics
 def test_one_query_per_sequence_is_paged_decode():
     args = scattered_pool(np.random.default_rng(0), [1, 1, 1], [40, 0, 17], 2, 2, 16, 4)
     q, k_pool, v_pool, tables, _, context = args
-    np.testing.assert_allclose(ea.extend_attention_numba(*args),
-                               paged_attention.paged_decode_numpy(q, k_pool, v_pool, tables, context), rtol=1e-5, atol=1e-6)
+    reference = paged_attention.paged_decode_numpy(q, k_pool, v_pool, tables, context)
+    assert relative_error(ea.extend_attention_numba(*args), reference) <= tolerance(args, reference)
 
 
+@pytest.mark.numerics
 def test_a_prefill_without_prefix_is_causal_attention():
     from infra_lab.kernels.attention import attention_numpy
 
@@ -65,7 +47,8 @@ def test_a_prefill_without_prefix_is_causal_attention():
     values = paged_attention.gather(v_pool, tables, context)[0, :70]
     expected = attention_numpy(q.transpose(1, 0, 2), keys.transpose(1, 0, 2), values.transpose(1, 0, 2))
     got = ea.extend_attention_numba(q, k_pool, v_pool, tables, starts, context)
-    np.testing.assert_allclose(got, expected.transpose(1, 0, 2), rtol=1e-5, atol=1e-6)
+    reference = expected.transpose(1, 0, 2)
+    assert relative_error(got, reference) <= tolerance((q, k_pool, v_pool, tables, starts, context), reference)
 
 
 def test_work_is_dealt_heaviest_first_and_covers_every_row_once_per_kv_head():

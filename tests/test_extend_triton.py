@@ -12,9 +12,10 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 
 from infra_lab.kernels import extend_attention as ea  # noqa: E402
 from infra_lab.kernels.extend_attention_triton import extend_attention_triton  # noqa: E402
-from test_extend_attention import relative_error, scattered_pool  # noqa: E402
+from conftest import relative_error, scattered_pool, tolerance  # noqa: E402
 
 
+@pytest.mark.numerics
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), batch=st.integers(1, 3), longest_chunk=st.integers(1, 70),
        longest_prefix=st.integers(0, 90), n_kv=st.integers(1, 2), group=st.sampled_from([1, 2, 3]),
@@ -25,7 +26,8 @@ def test_triton_extend_kernel_agrees_with_the_reference(seed, batch, longest_chu
     args = scattered_pool(rng, rng.integers(1, longest_chunk + 1, batch), rng.integers(0, longest_prefix + 1, batch),
                           n_kv, group, d, block_size)
     got = extend_attention_triton(*(torch.from_numpy(np.asarray(x)) for x in args))
-    assert relative_error(got.numpy(), ea.extend_attention_numpy(*args)) <= 1e-5
+    reference = ea.extend_attention_numpy(*args)
+    assert relative_error(got.numpy(), reference) <= tolerance(args, reference)  # float32's rounding, from the sizes
 
 
 def test_triton_extend_kernel_names_tiles_that_tensor_cores_cannot_take():

@@ -6,6 +6,7 @@ from infra_lab import backend
 from infra_lab.kernels import gemv
 
 
+@pytest.mark.numerics
 @given(n_out=st.integers(1, 300), n_in=st.integers(1, 300), seed=st.integers(0, 2**32 - 1))
 def test_three_faces_agree_with_the_float64_reference(n_out, n_in, seed):
     rng = np.random.default_rng(seed)

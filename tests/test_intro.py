@@ -101,6 +101,7 @@ def test_every_notebook_in_the_toc_has_a_time(chapter_times, root):
     assert [p for p in expected if p not in results["seconds"]] == [], results["failed"]
 
 
+@pytest.mark.slow
 def test_the_intro_shows_a_time_row_for_every_chapter(chapter_times, root):
     """Run the first page as the build does and read its table of running times."""
     import nbclient

@@ -21,6 +21,7 @@ def random_moe(seed: int = 0) -> dict:
     return weights
 
 
+@pytest.mark.numerics
 def test_every_backend_steps_the_moe_model_as_the_training_forward_does():
     weights = random_moe()
     tokens = np.random.default_rng(1).integers(0, 256, 48)
@@ -88,6 +89,7 @@ def test_expert_loads_are_shares_per_layer_and_leave_the_model_as_it_was():
         train.expert_loads(model, data[:10], window=64)
 
 
+@pytest.mark.numerics
 def test_a_chooser_picks_the_experts_and_the_gate_weights_stay_differentiable():
     model = TorchTransformer(CONFIGS["moe"], random_moe())
     tokens = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(3))
@@ -113,11 +115,13 @@ def test_a_chooser_picks_the_experts_and_the_gate_weights_stay_differentiable():
     assert model.w("layers.0.router").grad is not None  # through the gate weights
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 def test_the_shipped_moe_model_is_the_recorded_bias_run_and_far_better_balanced_than_none():
     """The shipped weights route validation text exactly as benchmarks/results/moe_balancing.json
-    records for its "bias" run (so the chapter's table is this model's), and that run's busiest
-    expert is nearer the mean, in every layer, than without balancing. The 1.15 bar itself is
-    reported there, met or not."""
+    records for its "bias" run, up to float32's near-ties (so the chapter's table is this model's),
+    and that run's busiest expert is nearer the mean, in every layer, than without balancing. The
+    1.15 bar itself is reported there, met or not."""
     import json
 
     from infra_lab.model import corpus
@@ -125,10 +129,27 @@ def test_the_shipped_moe_model_is_the_recorded_bias_run_and_far_better_balanced_
 
     weights, config, figures = load(path_for("moe"))
     assert figures["balancing"] == "bias" and path_for("moe").stat().st_size <= 12e6
-    shares = train.expert_loads(TorchTransformer(config, weights), corpus.load()[1])  # every window
+    moe = TorchTransformer(config, weights)
+    margins = []  # per call, layer after layer: each token's k-th score less its (k+1)-th
+
+    def the_package_choice(logits, k, bias):  # torch_moe.route's own, recording how near each token came to a flip
+        scores = torch.softmax(logits.float(), dim=-1) + (0 if bias is None else bias)
+        order = torch.sort(scores, dim=-1, descending=True, stable=True)
+        margins.append((order.values[:, k - 1] - order.values[:, k]).numpy())
+        return order.indices[:, :k]
+
+    moe.choose_experts = the_package_choice
+    shares = train.expert_loads(moe, corpus.load()[1])  # every window
     from pathlib import Path
 
     results = json.loads((Path(__file__).parents[1] / "benchmarks/results/moe_balancing.json").read_text())
-    assert np.allclose(shares, results["runs"]["bias"]["validation_loads_fp16"], atol=1e-12)
+    # Exactly the recorded routing, but for tokens whose k-th and (k+1)-th scores another CPU's
+    # float32 can swap: this model's float32 probabilities are within 1.7e-6 of float64's over
+    # the validation text (measured), so two CPUs' within 3.5e-6; FLIP = 1e-5 leaves a factor 3.
+    # Each such token moves one of the N k assignments of its layer: its shares by 1 / (N k).
+    flip, k = 1e-5, config.experts_per_token
+    by_layer = [np.concatenate(margins[i::config.n_layers]) for i in range(config.n_layers)]
+    allowed = np.array([(m < flip).sum() / (len(m) * k) for m in by_layer])  # measured: at most 1.8e-4
+    assert np.all(np.abs(shares - results["runs"]["bias"]["validation_loads_fp16"]) <= allowed[:, None] + 1e-12)
     unbalanced = np.array(results["runs"]["none"]["validation_loads_fp16"])
     assert (shares.max(1) < unbalanced.max(1)).all()

@@ -50,6 +50,7 @@ def test_the_sort_groups_each_experts_tokens_and_its_inverse_finds_them(seed, n_
     assert np.allclose(identity, x * (routing.weights * routing.kept).sum(1, keepdims=True), atol=1e-6)
 
 
+@pytest.mark.numerics
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), counts=st.lists(st.integers(0, 9), min_size=1, max_size=5))
 def test_every_face_runs_each_expert_on_its_run(seed, counts):
@@ -67,6 +68,7 @@ def test_every_face_runs_each_expert_on_its_run(seed, counts):
         assert np.allclose(face(x, offsets, weights), expected, rtol=1e-4, atol=1e-4), face.__name__
 
 
+@pytest.mark.numerics
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), n_tokens=st.integers(1, 24), factor=st.sampled_from([None, 0.5, 1.5]),
        k=st.integers(1, 3))
@@ -108,6 +110,7 @@ def test_bad_input_is_named(call, message):
         call()
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("factor", [None, 0.5, 1.25])
 def test_the_differentiable_torch_layer_is_the_numpy_layer(factor):
     torch = pytest.importorskip("torch")
@@ -125,6 +128,7 @@ def test_the_differentiable_torch_layer_is_the_numpy_layer(factor):
     assert np.allclose(y.numpy(), reference.y, atol=1e-5)
 
 
+@pytest.mark.numerics
 def test_the_vectorised_silu_matches_float64_everywhere():
     from infra_lab.moe.experts import silu_times
 
@@ -136,6 +140,7 @@ def test_the_vectorised_silu_matches_float64_everywhere():
     assert np.allclose(hidden, expected, rtol=1e-5, atol=1e-30)  # float32 t = -x log2 e: about 4e-6 at x = -70
 
 
+@pytest.mark.numerics
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), n_tokens=st.integers(1, 40), n_experts=st.integers(1, 8), k=st.integers(1, 3),
        factor=st.sampled_from([None, 0.5, 1.25]), biased=st.booleans(), coarse=st.booleans())

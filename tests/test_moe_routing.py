@@ -33,6 +33,7 @@ def brute_route(logits, k, slots, bias):
     return np.array(experts), np.array(weights), kept
 
 
+@pytest.mark.numerics
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), n_tokens=st.integers(1, 40), n_experts=st.integers(1, 9),
        k=st.integers(1, 4), factor=st.sampled_from([None, 0.25, 0.5, 1.0, 1.25, 2.0]), biased=st.booleans(),

@@ -307,6 +307,7 @@ def scattered_pool(seed, batch, length, n_kv, group, d, block_size, layout="side
     return q, k_pool, v_pool, tables, lengths
 
 
+@pytest.mark.numerics
 @given(seed=st.integers(0, 2**32 - 1), batch=st.integers(1, 4), length=st.integers(1, 300),
        n_kv=st.integers(1, 2), group=st.sampled_from([1, 2]), block_size=st.sampled_from([1, 4, 5, 16]),
        layout=st.sampled_from(LAYOUTS))
@@ -336,6 +337,7 @@ def test_address_order_names_tables_lengths_or_block_size_that_do_not_fit(tables
         paged_attention.address_order(tables, lengths, block_size)
 
 
+@pytest.mark.numerics
 @settings(max_examples=40)
 @given(seed=st.integers(0, 2**32 - 1), batch=st.integers(2, 4), length=st.integers(1, 300),
        shared=st.integers(1, 5), threads=st.sampled_from([1, 2]))

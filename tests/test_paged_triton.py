@@ -24,11 +24,13 @@ def side_by_side_pool(rng, batch, length, n_kv, group, d, block_size):
     return q, pool[:, 0], pool[:, 1], tables, lengths
 
 
+@pytest.mark.numerics
 @settings(max_examples=25)
 @given(seed=st.integers(0, 2**32 - 1), batch=st.integers(1, 3), length=st.integers(1, 150),
        n_kv=st.integers(1, 2), group=st.sampled_from([1, 2, 3]), d=st.sampled_from([8, 24]),
        block_size=st.sampled_from([1, 5, 16]), tile=st.sampled_from([8, 32]),
        split_tokens=st.sampled_from([None, 8, 40]))
+@pytest.mark.slow
 def test_triton_kernel_agrees_with_the_reference(seed, batch, length, n_kv, group, d, block_size, tile, split_tokens):
     args = side_by_side_pool(np.random.default_rng(seed), batch, length, n_kv, group, d, block_size)
     reference = paged_attention.paged_decode_numpy(*args)
@@ -36,6 +38,7 @@ def test_triton_kernel_agrees_with_the_reference(seed, batch, length, n_kv, grou
     np.testing.assert_allclose(got.numpy(), reference, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.numerics
 def test_triton_kernel_keeps_bf16_and_reads_past_tables_padded_with_minus_one():
     q, k_pool, v_pool, tables, _ = side_by_side_pool(np.random.default_rng(0), 2, 40, 2, 2, 8, 16)
     tables[1, 1:] = -1  # sequence 1 holds 9 tokens: one block, then padding the kernel must not read

@@ -47,6 +47,7 @@ def gloo_rank(buffers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return shard.numpy(), whole.numpy()
 
 
+@pytest.mark.slow
 def test_gloo_computes_what_the_ring_does():
     buffers = np.random.default_rng(0).integers(-9, 9, (4, 12)).astype(np.float64)
     shards, _ = ring.reduce_scatter(buffers)

@@ -1,11 +1,15 @@
 """parallel.tensor on 2 and 4 gloo processes: the tensor-parallel model's logits, one block's output
 and every weight's gradient equal the single-process model's, the bytes its all-reduces move equal
 the Megatron count from the shapes, and bad splits or disagreeing ranks fail with a named error on
-every rank instead of hanging. The shard helpers are checked as properties."""
+every rank instead of hanging. The shard helpers are checked as properties.
+
+The exactness runs compute in float64 on both sides: in float32 the two orders of summation
+differ by 2.5e-6 on one CPU and 1.1e-5 on another, where float64's differ by about 1e-15."""
 from dataclasses import asdict
 
 import pytest
 import torch
+from _numerics import FP64_RELATIVE
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -14,6 +18,8 @@ from infra_lab.parallel import tensor
 from infra_lab.processes import run_on_ranks
 
 TP4 = ModelConfig("tp4", n_layers=2, d_model=64, n_heads=4, n_kv_heads=4, d_ff=128)
+DTYPE = torch.float64
+ELEMENT = torch.empty((), dtype=DTYPE).element_size()  # bytes of one activation the all-reduces move
 
 
 def error_of(function, *args) -> str | None:
@@ -35,14 +41,14 @@ def disagreeing_forward(batch_by_rank: list[int]) -> None:
 def checks_on_two_ranks() -> dict:
     """One spawn for every two-process check (each spawn costs seconds): the shipped target model,
     a forward whose ranks disagree on the batch, and the timing run."""
-    return {"exactness": tensor.exactness_rank(7, "target", 2, 16),
+    return {"exactness": tensor.exactness_rank(7, "target", 2, 16, DTYPE),
             "disagreement": error_of(disagreeing_forward, [2, 3]),
             "timing": tensor.timing_rank(0, asdict(TP4), 2, 16, 2)}
 
 
 def checks_on_four_ranks() -> dict:
     """A small model whose heads and KV heads 4 divides, and the target, whose 2 KV heads it does not."""
-    return {"exactness": tensor.exactness_rank(7, asdict(TP4), 2, 8),
+    return {"exactness": tensor.exactness_rank(7, asdict(TP4), 2, 8, DTYPE),
             "split_error": error_of(tensor.exactness_rank, 0, "target", 1, 4)}
 
 
@@ -56,15 +62,17 @@ def four_ranks() -> list[dict]:
     return run_on_ranks(checks_on_four_ranks, 4, timeout_s=30)
 
 
-@pytest.mark.parametrize("world, batch, tokens", [(2, 2, 16), (4, 2, 8)])
+@pytest.mark.numerics
+@pytest.mark.parametrize("world, batch, tokens", [(2, 2, 16), pytest.param(4, 2, 8, marks=pytest.mark.slow)])
 def test_tensor_parallel_equals_one_process_and_moves_the_modelled_bytes(world, batch, tokens, request):
     results = request.getfixturevalue({2: "two_ranks", 4: "four_ranks"}[world])
     for rank, result in enumerate(r["exactness"] for r in results):
         for gap in ("logits_gap", "block_gap", "sharded_grad_gap", "replicated_grad_gap"):
-            assert result[gap] < 1e-5, (rank, gap, result[gap])
+            # float64 both sides, relative to the reference's largest value: measured below 1e-14
+            assert result[gap] < FP64_RELATIVE, (rank, gap, result[gap])
         n_layers, d = result["n_layers"], result["d_model"]
         assert result["all_reduces"] == tensor.ALL_REDUCES_PER_BLOCK * n_layers
-        assert result["bytes"] == n_layers * tensor.bytes_per_block(batch, tokens, d, world) > 0
+        assert result["bytes"] == n_layers * tensor.bytes_per_block(batch, tokens, d, world, ELEMENT) > 0
 
 
 def test_bytes_per_block_is_four_ring_all_reduces_of_the_activations():
@@ -79,6 +87,7 @@ def test_ranks_that_disagree_on_shapes_fail_with_the_same_named_error(two_ranks)
     assert "disagree on batch (rank 0: 2, rank 1: 3)" in messages[0]
 
 
+@pytest.mark.slow  # the 4-process spawn: over 10 s here
 def test_a_world_size_that_does_not_divide_the_kv_heads_fails_on_every_rank(four_ranks):
     for result in four_ranks:
         assert result["split_error"].startswith("4 processes cannot split n_kv_heads = 2 of target")

@@ -17,6 +17,7 @@ from infra_lab.model.torch_model import TorchTransformer
 TINY = dict(batch=2, context=32)  # a few steps of this take well under a second
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cpu_autocast_runs_matmuls_in_low_precision(dtype):
     generator = torch.Generator().manual_seed(0)
@@ -159,6 +160,7 @@ def test_train_run_names_bad_arguments(arguments, message):
         train_run(**arguments)
 
 
+@pytest.mark.numerics
 def test_every_precision_starts_from_the_same_loss():
     first = {p: train_run(p, steps=1, count_underflow=False, **TINY)["losses"][0] for p in PRECISIONS}
     assert first["fp32"] == pytest.approx(math.log(256), rel=0.05)  # untrained: about uniform over bytes

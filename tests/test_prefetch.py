@@ -7,6 +7,7 @@ from hypothesis import given, settings, strategies as st
 from infra_lab.kernels.prefetch import prefetch_l2, read_blocks
 
 
+@pytest.mark.numerics
 @settings(max_examples=30)
 @given(seed=st.integers(0, 2**32 - 1), tasks=st.integers(1, 5), per_task=st.integers(1, 6),
        block_floats=st.sampled_from([1, 10, 512, 700, 1500]))

@@ -18,6 +18,7 @@ except ImportError:
     pass
 
 
+@pytest.mark.numerics
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), batch=st.integers(1, 6), n_in=st.integers(1, 40), n_out=st.integers(1, 9),
        magnitude=st.sampled_from([1e-3, 1.0, 1e3]))

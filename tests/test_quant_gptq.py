@@ -144,6 +144,7 @@ def test_one_column_step_by_hand():
     assert clipped.values[0] == 7 and np.isclose(clipped.error[0], (2.0 - 0.875) / 2)
 
 
+@pytest.mark.numerics
 def test_the_upper_factor_inverts_h():
     inputs = correlated_inputs(np.random.default_rng(2), 40, 10)
     h, _ = hessian(inputs, 0.01)

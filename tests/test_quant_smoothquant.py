@@ -3,6 +3,7 @@ the float product unchanged, and with an outlier channel it cuts the W8A8 error;
 quantized token by token."""
 import numpy as np
 import pytest
+from _numerics import EPS32
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -34,6 +35,7 @@ def outlier_inputs(rng, n_samples, n_in, outlier=3, size=100.0):
     return inputs.astype(np.float32)
 
 
+@pytest.mark.numerics
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), batch=st.integers(1, 4), n_in=st.integers(1, 12), n_out=st.integers(1, 5),
        smoothed=st.booleans(), alpha=st.floats(0, 1))
@@ -43,9 +45,13 @@ def test_the_w8a8_product_is_the_integer_computation(seed, batch, n_in, n_out, s
     x = (rng.standard_normal((batch, n_in)) * rng.uniform(0.1, 50, n_in)).astype(np.float32)
     x[rng.random(batch) < 0.2] = 0  # a token of zeros has scale 0
     matrix = smooth(weights, x, alpha) if smoothed else QuantizedMatrix.quantize(weights, 8)
-    assert np.allclose(matmul_w8a8(x, matrix), brute_force_w8a8(x, matrix), rtol=1e-6, atol=1e-6)
+    # the same integer codes and exact integer sums, then the two scales: float64 here, float32 out
+    # there, one rounding of at most eps32 / 2 of the value (measured: 0.45 eps32); eps32 doubles it
+    got, expected = matmul_w8a8(x, matrix), brute_force_w8a8(x, matrix)
+    assert np.all(np.abs(got - expected) <= EPS32 * np.abs(expected))
 
 
+@pytest.mark.numerics
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), alpha=st.floats(0, 1))
 def test_smoothing_leaves_the_float_product_unchanged(seed, alpha):

@@ -152,6 +152,7 @@ def test_critical_batch_reproduces_the_scaling_book_for_an_h100():
     assert step.intensity >= ridge > below.intensity
 
 
+@pytest.mark.slow
 def test_long_contexts_can_keep_decode_memory_bound_at_any_batch():
     assert roofline.critical_batch(roofline.preset("llama-2-7b"), H100, "bf16", context=32768) == math.inf
 

@@ -65,6 +65,7 @@ ENGINE_CASES = [("torch", gamma, kind, "chunked" if (gamma + (kind == "lookup"))
     ("numba", 2, "model", "chunked"), ("numba", 7, "lookup", "continuous"), ("numba", 5, "lookup", "chunked")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, gamma, kind, policy", ENGINE_CASES)
 def test_batched_greedy_is_the_targets_greedy(target, draft, name, gamma, kind, policy):
     drafter = make_drafter(kind, draft, name)

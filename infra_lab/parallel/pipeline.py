@@ -121,14 +121,15 @@ def gradient_tag(micro: int) -> int:
 
 
 def execute(plan: list[list[Op]], forward: Callable[[int, torch.Tensor | None], torch.Tensor],
-            activation_shape: tuple[int, ...], group=None, prefetch: bool = True) -> Log:
+            activation_shape: tuple[int, ...], group=None, prefetch: bool = True,
+            dtype: torch.dtype = torch.float32) -> Log:
     """Run this rank's operations of `plan` (a `schedule`, one process per stage).
 
     forward(micro, x) is the stage: x, the previous stage's activation (None on the first stage,
     which reads its own inputs) -> the activation for the next stage, or on the last stage the
     micro-batch's loss (a scalar, scaled so the micro-batches' losses add up to the batch's). Every
-    activation, and so every gradient sent back, has `activation_shape`. Parameters' gradients
-    accumulate over the micro-batches, as on one process. Sends are asynchronous (isend) and
+    activation, and so every gradient sent back, has `activation_shape` and `dtype`. Parameters'
+    gradients accumulate over the micro-batches, as on one process. Sends are asynchronous (isend) and
     waited for at the end. With `prefetch`, the receive of the next operation's input is posted
     before this operation runs, so the message moves while it computes (Megatron-LM's schedules
     likewise post a send and the next receive together); without, each receive starts when it is
@@ -150,7 +151,7 @@ def execute(plan: list[list[Op]], forward: Callable[[int, torch.Tensor | None], 
         kind, micro = ops[index]
         if (kind == "F" and not first) or (kind == "B" and not last):
             source, tag = (rank - 1, activation_tag(micro)) if kind == "F" else (rank + 1, gradient_tag(micro))
-            buffer = torch.empty(activation_shape)
+            buffer = torch.empty(activation_shape, dtype=dtype)
             receiving[index] = (dist.irecv(buffer, source, group=group, tag=tag), buffer)
 
     events: list[Event] = []

@@ -77,12 +77,14 @@ def model_forward(model: TorchTransformer, layers: range, inputs: list[torch.Ten
     return forward
 
 
-def exactness_rank(kinds: list[str], micro_batches: int, windows: torch.Tensor, steps: int, lr: float) -> dict:
+def exactness_rank(kinds: list[str], micro_batches: int, windows: torch.Tensor, steps: int, lr: float,
+                   dtype: torch.dtype = torch.float32) -> dict:
     """On this rank, for each schedule: `steps` SGD steps of the target model cut into one stage
     per process, on `windows` (B, T + 1) (`training_windows`) in `micro_batches` micro-batches,
     beside the same steps on the whole model and batch in this process. Per schedule: the largest
     differences over the steps of the loss (last stage; None elsewhere) and of the stage's
-    gradients, the stage's parameter names, and the last step's log."""
+    gradients, the stage's parameter names, and the last step's log. Both runs compute, and the
+    stages send, in `dtype`."""
     rank, stages = dist.get_rank(), dist.get_world_size()
     saved, config, _ = weights.load(weights.path_for("target"))
     layers = pipeline.split_layers(config.n_layers, stages)[rank]
@@ -91,7 +93,7 @@ def exactness_rank(kinds: list[str], micro_batches: int, windows: torch.Tensor, 
     batch, tokens = x.shape
     inputs, targets = pipeline.split_batch(x, micro_batches), pipeline.split_batch(y, micro_batches)
     plans = {kind: pipeline.schedule(kind, stages, micro_batches) for kind in kinds}
-    reference = TorchTransformer(config, saved)
+    reference = TorchTransformer(config, saved).to(dtype)
     expected = []  # per step: (loss, {name: gradient})
     for _ in range(steps):
         loss = F.cross_entropy(reference(x).flatten(0, 1), y.flatten())
@@ -100,12 +102,12 @@ def exactness_rank(kinds: list[str], micro_batches: int, windows: torch.Tensor, 
         sgd_step(reference, lr)
     results = {}
     for kind in kinds:
-        model = stage_model(TorchTransformer(config, saved), layers, first, last)
+        model = stage_model(TorchTransformer(config, saved).to(dtype), layers, first, last)
         loss_gap, grad_gap = (0.0 if last else None), 0.0
         for step in range(steps):
             losses: list[torch.Tensor] = []
             forward = model_forward(model, layers, inputs, targets, first, last, losses)
-            log = pipeline.execute(plans[kind], forward, (batch // micro_batches, tokens, config.d_model))
+            log = pipeline.execute(plans[kind], forward, (batch // micro_batches, tokens, config.d_model), dtype=dtype)
             if last:
                 loss_gap = max(loss_gap, abs(float(sum(losses)) - expected[step][0]))
             grad_gap = max([grad_gap] + [float((p.grad - expected[step][1][n]).abs().max())

@@ -42,6 +42,7 @@ class Settings:
     window: int = 64  # bytes per window
     lr: float = 1e-3
     seed: int = 0
+    dtype: torch.dtype = torch.float32  # of the weights, gradients and optimizer states
 
 
 def check_methods(methods) -> None:
@@ -62,9 +63,18 @@ def batches(settings: Settings) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def shipped_model() -> TorchTransformer:
+def shipped_model(dtype: torch.dtype = torch.float32) -> TorchTransformer:
     weights, config, _ = load(path_for("target"))
-    return TorchTransformer(config, weights)
+    return TorchTransformer(config, weights).to(dtype)
+
+
+def precision(dtype: torch.dtype) -> memory.Precision:
+    """The memory model's plain (unmixed) Adam in `dtype`: a parameter, its gradient and Adam's two
+    moments of one element each; memory.FP32 for float32."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if dtype == torch.float32:
+        return memory.FP32
+    return memory.Precision(f"{str(dtype).removeprefix('torch.')} Adam", size, size, 2 * size, size)
 
 
 def adamw(settings: Settings):
@@ -77,7 +87,7 @@ def loss_of(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def single_process(settings: Settings) -> dict:
     """The reference: every step on the whole batch in one process."""
-    model = shipped_model()
+    model = shipped_model(settings.dtype)
     optimizer = adamw(settings)(list(model.parameters()))
     losses = []
     for x, y in batches(settings):
@@ -121,7 +131,7 @@ def train_rank(method: str, settings: Settings) -> dict:
     if settings.batch % world:
         raise ValueError(f"a batch of {settings.batch} windows does not split evenly over {world} processes")
     share = slice(rank * settings.batch // world, (rank + 1) * settings.batch // world)
-    model, counter = shipped_model(), ByteCounter()
+    model, counter = shipped_model(settings.dtype), ByteCounter()
     sizes = unit_sizes(model)
     step, forward, holdings, optimizer = _method(method, model, counter, settings)
     losses, seconds, sent = [], [], []
@@ -136,7 +146,7 @@ def train_rank(method: str, settings: Settings) -> dict:
         losses.append(loss.item())
         sent.append({name: float(b) for name, b in counter.bytes_sent.items()} | {"volume": counter.total_volume()})
     held = held_bytes(*holdings(), optimizer)
-    modelled = memory.state_bytes(sizes, world, STAGE[method], memory.FP32)
+    modelled = memory.state_bytes(sizes, world, STAGE[method], precision(settings.dtype))
     weights = _weights(method, model, forward)
     return {"method": method, "losses": losses, "sent_per_step": sent, "held": held, "modelled": modelled,
             "volume_modelled": memory.communication_volume(sizes, world, STAGE[method]) if method in OURS else None,

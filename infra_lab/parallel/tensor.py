@@ -240,19 +240,22 @@ def _gap(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(torch.finfo(b.dtype).tiny))
 
 
-def exactness_rank(seed: int, config: str | dict | ModelConfig, batch: int, tokens: int) -> dict:
+def exactness_rank(seed: int, config: str | dict | ModelConfig, batch: int, tokens: int,
+                   dtype: torch.dtype = torch.float32) -> dict:
     """On this rank: the single-process model and the tensor-parallel one, forward and backward on
     the same tokens and upstream gradient. Largest differences of the logits, of one block's
     output, of the sharded weights' gradients (against the matching slice of the single-process
     ones) and of the replicated weights' gradients, each relative to the single-process tensor's
-    largest magnitude; the bytes and all-reduces counted per forward and backward."""
+    largest magnitude; the bytes and all-reduces counted per forward and backward. Both models
+    compute in `dtype`: in float64 the two orders of summation agree to float64's rounding, far
+    below anything a CPU's kernels (their blocking, threads, vector width) change."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = build_model(config, seed)
+    model = build_model(config, seed).to(dtype)
     c = model.config
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, c.vocab, (batch, tokens), generator=g)
-    grad_logits = torch.randn(batch, tokens, c.vocab, generator=g)
-    x = torch.randn(batch, tokens, c.d_model, generator=g)
+    grad_logits = torch.randn(batch, tokens, c.vocab, generator=g, dtype=dtype)
+    x = torch.randn(batch, tokens, c.d_model, generator=g, dtype=dtype)
     counter = ByteCounter()
     parallel = TensorParallelTransformer(model, counter=counter)
     with torch.no_grad():

@@ -50,13 +50,13 @@ class ShardedOptimizer:
             self.flats.append(flat)
             self.shards.append(nn.Parameter(flat[shard]))
             if stage == 1:
-                grads = torch.zeros(padded)
+                grads = torch.zeros(padded, dtype=flat.dtype)
                 for name, view in views(grads, unit).items():
                     model.w(name).grad = view  # backward adds into these in place
                 self.grad_flats.append(grads)
                 self.shards[-1].grad = grads[shard]
             else:
-                self.shards[-1].grad = torch.zeros(shard.stop - shard.start)
+                self.shards[-1].grad = torch.zeros(shard.stop - shard.start, dtype=flat.dtype)
         if stage == 2:
             self.pending = {}
             for u, unit in enumerate(self.units):
