@@ -63,4 +63,5 @@ def test_a_page_needs_no_network_and_ships_no_widget_state(tmp_path):
 
 def test_make_book_builds_with_progress_bars_off():
     dry = subprocess.run(["make", "-n", "book"], cwd=ROOT, capture_output=True, text=True)
-    assert re.search(r"^TQDM_DISABLE=1 \S*jupyter-book build ", dry.stdout, re.M), dry.stdout
+    # ... and with INFRA_LAB_QUICK unset: the page is the full-size run (infra_lab.sizes)
+    assert re.search(r"^env -u INFRA_LAB_QUICK TQDM_DISABLE=1 \S*jupyter-book build ", dry.stdout, re.M), dry.stdout
