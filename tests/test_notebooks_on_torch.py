@@ -19,6 +19,11 @@ def test_notebook_runs_on_the_torch_backend(relative, monkeypatch):
     pytest.importorskip("torch")
     monkeypatch.setenv("INFRA_LAB_BACKEND", "torch")
     monkeypatch.setenv("INFRA_LAB_QUICK", "1")
+    # One thread per kernel: this pass proves that cells run, and beside the other worker's
+    # processes two threads each oversubscribe two cores (a run of chapter 07 once took 308 s
+    # for its 10 s alone)
+    for threads in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.setenv(threads, "1")
     monkeypatch.setenv("MPLBACKEND", "Agg")
     notebook = nbformat.read(ROOT / relative, as_version=4)
     NotebookClient(notebook, timeout=300, kernel_name="python3",
