@@ -53,11 +53,11 @@ chromium:
 
 # The chapters in book/ have no check cells: `make book` has executed each of them already, and
 # fails on any cell error, so nbval runs only the solutions (their check cells compare output).
-# Two workers, the tests spread one by one, but a notebook's cells stay in order on one worker,
-# and so do the tests that share a module's processes (tests/conftest.py): most of the suite is
-# single-threaded Python. The grader's tests time hangs and floods, so they run afterwards, alone.
+# Two workers, one file each at a time (a notebook's cells stay in order on one worker, and a
+# module's processes are spawned once): most of the suite is single-threaded Python. The grader's
+# tests time hangs and floods, so they run afterwards, alone.
 test: book chromium
-	$(BIN)/python -m pytest tests solutions --nbval-lax -q -n 2 --dist loadgroup -m "not grader" --durations=25
+	$(BIN)/python -m pytest tests solutions --nbval-lax -q -n 2 --dist loadfile -m "not grader" --durations=25
 	$(BIN)/python -m pytest tests -q -m grader
 
 # The inner loop of development: the unit and property tests without the slow ones (processes,

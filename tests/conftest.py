@@ -31,15 +31,6 @@ def root() -> Path:
     return ROOT
 
 
-def pytest_collection_modifyitems(config, items):
-    """Under `-n 2 --dist loadgroup` (make test) the tests spread one by one over the workers,
-    except that a notebook's cells (nbval) stay together and in order on one worker, and so do
-    the tests of a module that shares an expensive module fixture (it says
-    `pytestmark = pytest.mark.xdist_group("its name")`)."""
-    for item in items:
-        if item.path.suffix == ".ipynb":
-            item.add_marker(pytest.mark.xdist_group(item.path.name))
-
 
 # ---- the engine (chapter 05) ---------------------------------------------------------------------
 

@@ -20,8 +20,6 @@ from infra_lab.figures import MAX_WIDTH_IN, MIN_FONT_PT
 from infra_lab.parallel import memory, plan as cost
 from infra_lab.processes import run_on_ranks
 
-pytestmark = pytest.mark.xdist_group("diagrams_parallel_run")  # one worker builds the module's fixture
-
 WORLD, MICRO = 2, 4  # 2 processes: the machine has 2 cores
 PIPELINE_SIZES = {"d": 32, "blocks": 1, "micro_batch": 2, "tokens": 32}
 UNITS = {"TB": 1e12, "GB": 1e9, "MB": 1e6, "KB": 1e3, "B": 1.0, "s": 1.0, "ms": 1e-3}

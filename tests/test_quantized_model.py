@@ -17,8 +17,6 @@ from infra_lab.serving.config import EngineConfig
 from infra_lab.serving.engine import Engine
 from infra_lab.serving.request import SamplingParams
 
-pytestmark = pytest.mark.xdist_group("quantized_models")  # one worker builds the module's fixture
-
 FACES = ["numpy", "numba", "torch"]
 SETTINGS = {"rtn": (4, 32), "gptq": (4, 32), "awq": (3, None), "smoothquant": (8, None)}  # method -> bits, group
 

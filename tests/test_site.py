@@ -20,7 +20,7 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
-pytestmark = [pytest.mark.site, pytest.mark.xdist_group("site")]  # one browser, one worker
+pytestmark = pytest.mark.site
 ROOT = Path(__file__).resolve().parent.parent
 SITE = Path(os.environ.get("INFRA_LAB_SITE") or ROOT / "_build" / "html").resolve()
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
