@@ -6,7 +6,8 @@ distributed chapters (expert parallelism, and data, tensor and pipeline parallel
 rendezvous in a fresh temporary folder (no port to collide), and calls function(*args) on each,
 inside the group; it returns every rank's result in rank order. An exception on any rank comes
 back as the same type with that rank's message; the other ranks, left waiting in a collective,
-are ended by the group's timeout, so a bad input fails and never hangs.
+are ended by the group's timeout, so a bad input fails and never hangs. A rank that dies without
+a result (a crash, a kill) is reported within a second.
 """
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ import os
 import pickle
 import queue
 import tempfile
+import time
 import traceback
 
 BACKENDS = ("gloo", "nccl")
+POLL_S = 0.5  # how often the parent looks for a result, or for a rank that died without one
 
 
 def _worker(rank: int, world: int, backend: str, store: str, timeout_s: float, results, function, args):
@@ -40,6 +43,25 @@ def _worker(rank: int, world: int, backend: str, store: str, timeout_s: float, r
             dist.destroy_process_group()
 
 
+def _last_word_of_the_dead(processes, outcomes: dict, results):
+    """None while every rank without a result is still running. A rank that ended without one
+    (killed, crashed in C, or failed before its first line: a script without the
+    `if __name__ == "__main__":` guard that "spawn" needs) is reported now, not after the
+    timeout; a result put just before the end is read and returned instead."""
+    dead = [rank for rank, process in enumerate(processes)
+            if rank not in outcomes and process.exitcode not in (None, 0)]
+    if not dead:
+        return None
+    try:
+        return results.get(timeout=POLL_S)
+    except queue.Empty:
+        pass
+    code = processes[dead[0]].exitcode
+    how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+    raise RuntimeError(f"rank {dead[0]} {how} before returning a result (its error, if any, is printed above; "
+                       "a script that starts ranks needs `if __name__ == '__main__':` around its code)")
+
+
 def run_on_ranks(function, world: int, *args, backend: str = "gloo", timeout_s: float = 60.0) -> list:
     """function(*args) on `world` processes in one group; each rank's result, in rank order."""
     import torch.multiprocessing as mp
@@ -58,13 +80,19 @@ def run_on_ranks(function, world: int, *args, backend: str = "gloo", timeout_s: 
         for process in processes:
             process.start()
         outcomes = {}
+        deadline = time.monotonic() + timeout_s + 30
         try:
             while len(outcomes) < world:
                 try:
-                    rank, status, value = results.get(timeout=timeout_s + 30)
+                    got = results.get(timeout=POLL_S)
                 except queue.Empty:
-                    raise TimeoutError(f"no result from ranks {sorted(set(range(world)) - set(outcomes))} "
-                                       f"within {timeout_s + 30:g} s") from None
+                    got = _last_word_of_the_dead(processes, outcomes, results)
+                if got is None:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"no result from ranks {sorted(set(range(world)) - set(outcomes))} "
+                                           f"within {timeout_s + 30:g} s")
+                    continue
+                rank, status, value = got
                 outcomes[rank] = (status, value)
                 if status == "error":  # the first failure: the others may be stuck in a collective
                     break

@@ -77,6 +77,14 @@ def zero1_summed(flat_params, flat_grads, shard, optimizer):
     dist.all_gather_single(flat_params, shard.detach().clone())
 
 
+def zero1_float32(flat_params, flat_grads, shard, optimizer):
+    grad_shard = torch.empty(shard.shape, dtype=torch.float32)  # right in exact arithmetic, rounded to fp32
+    dist.reduce_scatter_single(grad_shard, flat_grads.float())
+    shard.grad = (grad_shard / dist.get_world_size()).to(shard.dtype)
+    optimizer.step()
+    dist.all_gather_single(flat_params, shard.detach().clone())
+
+
 def zero1_all_reduce(flat_params, flat_grads, shard, optimizer):
     world, rank = dist.get_world_size(), dist.get_rank()
     dist.all_reduce(flat_grads)
@@ -96,5 +104,6 @@ def test_the_zero1_check_trains_the_real_model_and_names_mistakes():
     assert np.max(np.abs(losses - ddp) / ddp) < ch10.MATCH and ranks[0]["weight_gap"] < ch10.MATCH
     assert ranks[0]["optimizer_bytes"] == ranks[0]["optimizer_bytes_modelled"]
     fails("zero1_step", zero1_summed, "the sum over the ranks: divide it by the world size")
+    fails("zero1_step", zero1_float32, "trains in float64: does a buffer on the way have another dtype")
     result = fails("zero1_step", zero1_all_reduce, "calls all_reduce")
     assert result.passed == 23  # its steps are right; its traffic is not ZeRO-1's

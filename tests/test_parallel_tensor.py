@@ -10,6 +10,7 @@ from dataclasses import asdict
 import pytest
 import torch
 from _numerics import FP64_RELATIVE
+from _ranks import error_of
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -20,14 +21,6 @@ from infra_lab.processes import run_on_ranks
 TP4 = ModelConfig("tp4", n_layers=2, d_model=64, n_heads=4, n_kv_heads=4, d_ff=128)
 DTYPE = torch.float64
 ELEMENT = torch.empty((), dtype=DTYPE).element_size()  # bytes of one activation the all-reduces move
-
-
-def error_of(function, *args) -> str | None:
-    try:
-        function(*args)
-    except ValueError as error:
-        return str(error)
-    return None
 
 
 def disagreeing_forward(batch_by_rank: list[int]) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from _numerics import FP64_RELATIVE
+from _ranks import error_of
 
 from infra_lab.parallel import memory, runs
 from infra_lab.parallel.units import unit_sizes
@@ -27,15 +28,6 @@ PRECISION = memory.Precision("float64 Adam", ELEMENT, ELEMENT, 2 * ELEMENT, ELEM
 # batches of 8 windows of 64 bytes
 SETTINGS = {2: runs.Settings(steps=10, dtype=DTYPE), 4: runs.Settings(steps=5, dtype=DTYPE)}
 MOVED = 1e-3  # about one AdamW step of lr = 1e-3: the weights must move this far, 10**7 times the tolerance
-
-
-def error_of(function, *args) -> str | None:
-    """The message of the ValueError function(*args) raises on this rank, or None."""
-    try:
-        function(*args)
-    except ValueError as error:
-        return str(error)
-    return None
 
 
 def checks_on_two_ranks() -> dict:

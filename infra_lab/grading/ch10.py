@@ -24,7 +24,12 @@ from infra_lab.grading.checks import Check, register
 from infra_lab.parallel import memory, ring
 
 TRAIN_STEPS = 20  # the last check's training steps on 2 processes (8 windows of 64 bytes each)
-MATCH = 1e-5  # losses (relative) and final weights (absolute) against data parallelism's
+# losses (relative) and final weights (absolute) against data parallelism's, both trained in
+# float64 (grading.ch10_ranks.TRAIN_DTYPE). They are equal in exact arithmetic: the package's step
+# gives a gap of 0.0 (on 2 ranks a sum of two terms has one order), and any float64 rounding stays
+# near 1e-13, while a step that passes the gradients through a float32 buffer misses by 8.7e-7 in
+# the weights (measured on the shipped model, 20 steps)
+MATCH = 1e-10
 
 
 class WrongMemory(AssertionError):
@@ -215,7 +220,9 @@ def drive_zero1(function, kind):
     ddp = np.mean([r["ddp_losses"] for r in ranks], axis=0)
     loss_gap = float(np.max(np.abs(losses - ddp) / np.abs(ddp)))
     if not loss_gap <= MATCH or not first["weight_gap"] <= MATCH:
-        hint = "; are the gradients averaged over the ranks?"
+        hint = ("; are the gradients averaged over the ranks?" if first["weight_gap"] > 1e-4 else
+                "; the check trains in float64: does a buffer on the way have another dtype? "
+                "torch.empty_like(shard) keeps the shard's")
         raise WrongTraining(f"after {TRAIN_STEPS} steps on 2 processes your ZeRO-1 differs from data parallelism: "
                             f"losses by {loss_gap:.2e} (relative), weights by {first['weight_gap']:.2e}{hint}")
     if first["optimizer_bytes"] != first["optimizer_bytes_modelled"]:
