@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from infra_lab import backend, hardware, model
+from infra_lab import backend, model
 from infra_lab.kernels import extend_attention
 from infra_lab.kv.radix import RadixCache
 from infra_lab.model import corpus
@@ -59,7 +59,7 @@ def write_sections(out, script: str, order: tuple[str, ...], sections: dict, ext
     import sys
     from pathlib import Path
 
-    figures = {"machine": f"{hardware._cpu_name()}, {backend.threads()} threads",
+    figures = {"machine": backend.machine(),
                "measured_on": datetime.date.today().isoformat(),
                "command": "python " + " ".join([script] + sys.argv[1:]),
                "backend": backend.describe(), **extra,
@@ -276,7 +276,7 @@ def main() -> None:
     prompts = [validation[i * 1000: i * 1000 + CONTEXT].astype(np.int64).tolist() for i in range(BATCH)]
     numba_cpu = backend.resolve("numba")
     figures = {
-        "machine": f"{hardware._cpu_name()}, {backend.threads()} threads",
+        "machine": backend.machine(),
         "measured_on": datetime.date.today().isoformat(),
         "command": "python benchmarks/engine_core.py" + (f" --rounds {args.rounds}" if args.rounds != 15 else ""),
         "backend": backend.describe(),

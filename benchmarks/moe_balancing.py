@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from infra_lab import hardware
+from infra_lab import backend
 from infra_lab.model import corpus, train, weights
 from infra_lab.model.torch_model import TorchTransformer
 
@@ -44,7 +44,7 @@ def main() -> None:
     options.add_argument("--json", type=Path, default=RESULTS)
     args = options.parse_args()
     results = json.loads(args.json.read_text()) if args.json.is_file() else {"runs": {}}
-    results |= {"machine": f"{hardware._cpu_name()}, {torch.get_num_threads()} threads",
+    results |= {"machine": f"{backend.cpu_model()}, {torch.get_num_threads()} threads",
                 "measured_on": time.strftime("%Y-%m-%d"), "command": "python benchmarks/moe_balancing.py"}
     _, validation = corpus.load()
     folder = Path(tempfile.mkdtemp())

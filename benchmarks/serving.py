@@ -679,7 +679,7 @@ def main() -> None:
         sections[name] = runs[name]() | {"section_s": time.perf_counter() - started}
         print(f"{name} ({sections[name]['section_s']:.0f} s): {headline(name, sections[name])}", flush=True)
     figures = {
-        "machine": f"{hardware._cpu_name()}, {backend.threads()} threads",
+        "machine": backend.machine(),
         "measured_on": datetime.date.today().isoformat(),
         "command": "python " + " ".join(["benchmarks/serving.py"] + sys.argv[1:]),
         "backend": backend.describe(), "quick": args.quick, "seed": args.seed, "sizes": asdict(sizes),

@@ -141,6 +141,24 @@ def threads() -> int:
     return os.cpu_count() or 1
 
 
+def cpu_model() -> str:
+    """The processor's name as the OS gives it ("Intel(R) Xeon(R) Processor", "AMD EPYC 7B13"):
+    the same package runs at other speeds, and rounds differently, on another CPU."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> str:
+    """Where this process computes, as the benchmarks record it: "<CPU model>, <n> threads"."""
+    return f"{cpu_model()}, {threads()} threads"
+
+
 def _version(module: str) -> str | None:
     if not _installed(module):
         return None
@@ -156,7 +174,7 @@ def describe() -> str:
 
         where = f"cuda ({torch.cuda.get_device_name(0)})"
     else:
-        where = f"cpu ({platform.machine()}, {threads()} threads)"
+        where = f"cpu ({cpu_model()}, {platform.machine()}, {threads()} threads)"
     versions = [f"python {platform.python_version()}"]
     for module in ("numpy", "numba", "torch"):
         version = _version(module)

@@ -18,6 +18,8 @@ from pathlib import Path
 import numba
 import numpy as np
 
+from infra_lab import backend
+
 TERA = 1e12
 GB = 1e9  # datasheets' GB and TB/s are decimal
 PROBE_VERSION = 4  # bump when measure() changes, so cached results are redone
@@ -250,7 +252,7 @@ def _measure_cpu(progress) -> Device:
     for dtype in ("fp32", "fp64"):
         flops[dtype] = blas_peak(dtype)
         progress(f"BLAS {dtype}")
-    return Device(name=f"{_cpu_name()} ({numba.get_num_threads()} threads)", peak_flops=flops,
+    return Device(name=f"{backend.cpu_model()} ({numba.get_num_threads()} threads)", peak_flops=flops,
                   memory_bandwidth=probes["copy"][-1][1], memory_bytes=float(_memory_bytes()),
                   source="measured here: numba STREAM copy at 256 MiB per array (the memory "
                          "roof, reads and writes counted), the fastest numpy BLAS matmul of "
@@ -334,16 +336,6 @@ def _measure_cuda(progress) -> Device:
 
 # ---- measure(): cached per machine ----------------------------------------------------
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _memory_bytes() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -352,7 +344,7 @@ def _memory_bytes() -> int:
 
 
 def _fingerprint(target: str) -> str:
-    parts = [PROBE_VERSION, target, platform.node(), _cpu_name(), os.cpu_count(),
+    parts = [PROBE_VERSION, target, platform.node(), backend.cpu_model(), os.cpu_count(),
              numba.get_num_threads()]
     if target == "cuda":
         import torch

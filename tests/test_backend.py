@@ -93,7 +93,7 @@ def test_pick_chooses_the_face_and_reports_a_missing_one():
 def test_describe_says_backend_device_threads_and_versions(monkeypatch):
     monkeypatch.setattr(backend, "_torch_has_cuda", lambda: False)
     text = backend.describe()
-    assert text.startswith("infra_lab backend: numba on cpu")
+    assert text.startswith(f"infra_lab backend: numba on cpu ({backend.cpu_model()}, ")
     for piece in ("threads", "python", "numpy", "numba", "torch"):
         assert piece in text
     assert "\n" not in text
@@ -111,3 +111,9 @@ def test_numba_may_use_512_bit_vectors_where_the_cpu_has_them():
     mine = subprocess.run([sys.executable, "-c", "import os, infra_lab; print(os.environ['NUMBA_CPU_FEATURES'])"],
                           env=env | {"NUMBA_CPU_FEATURES": "+sse2"}, capture_output=True, text=True, timeout=120)
     assert mine.stdout.strip() == "+sse2"  # a value the user set wins
+
+
+def test_the_machine_names_the_cpu_model_and_threads(monkeypatch):
+    monkeypatch.setattr(backend, "cpu_model", lambda: "AMD EPYC 7B13")
+    monkeypatch.setattr(backend, "threads", lambda: 2)
+    assert backend.machine() == "AMD EPYC 7B13, 2 threads"

@@ -22,7 +22,10 @@ def floats_to_test(n: int = 1_000_000, seed: int = 0) -> np.ndarray:
                65520, 2.0 ** -9, 2.0 ** -10, 2.0 ** -10 * 1.0001, 3 * 2.0 ** -11, 2.0 ** -16, 2.0 ** -17,
                1.5 * 2.0 ** -17, 2.0 ** -6, 2.0 ** -14, 1e-45, 1e-38, 3.4e38, 1 + 2.0 ** -8, 1 + 3 * 2.0 ** -9]
     special += [-v for v in special]
-    return np.concatenate([spread, special, np.zeros(64 - len(special))]).astype(np.float32)
+    # any 32 bits: NaNs of both signs with every kind of payload among them (1 in 256 or so)
+    bits = rng.integers(0, 2**32, 2**16, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    rest = np.concatenate([spread[:-bits.size], special, np.zeros(64 - len(special))]).astype(np.float32)
+    return np.concatenate([rest, bits])  # float32 throughout: a cast would quiet the signalling NaNs
 
 
 def same_bits(ours: np.ndarray, theirs: np.ndarray) -> bool:
@@ -53,8 +56,16 @@ def test_rounding_a_million_floats_equals_torchs_conversion(fmt, dtype):
     theirs = torch.from_numpy(x).to(dtype)
     assert same_bits(formats.round_float(x, fmt), theirs.float().numpy())
     codes, their_codes = formats.encode(x, fmt), theirs.view(torch.uint8).numpy()
-    numbers = ~np.isnan(x)
-    assert (codes[numbers] == their_codes[numbers]).all()
+    assert (codes == their_codes).all()
+    nan = np.isnan(x)  # NaNs of both signs, and with other payloads, compared too
+    assert np.signbit(x[nan]).sum() > 50 and (~np.signbit(x[nan])).sum() > 50
+
+
+@pytest.mark.parametrize("fmt, dtype", FP8, ids=["e4m3", "e5m2"])
+def test_a_nan_keeps_its_sign_in_its_code(fmt, dtype):
+    nans = np.array([np.nan, -np.nan], np.float32)
+    assert np.signbit(formats.round_float(nans, fmt)).tolist() == [False, True]
+    assert formats.encode(nans, fmt).tolist() == torch.from_numpy(nans).to(dtype).view(torch.uint8).tolist() == [0x7F, 0xFF]
 
 
 def test_the_two_fp8_formats_differ_out_of_range_as_torch_does():

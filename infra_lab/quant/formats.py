@@ -61,7 +61,7 @@ def round_float(x, fmt: FloatFormat) -> np.ndarray:
             rounded = rounded.astype(np.float32)
         over = np.abs(rounded) > fmt.max_value
         rounded = np.where(over, np.copysign(fmt.max_value if fmt.saturates else np.inf, x), rounded)
-    return np.where(np.isnan(x), np.float32(np.nan), rounded).astype(np.float32)
+    return np.where(np.isnan(x), x, rounded).astype(np.float32)  # a NaN keeps its sign, as torch's does
 
 
 def round_bf16(x) -> np.ndarray:
@@ -110,7 +110,7 @@ def decode(codes, fmt: FloatFormat) -> np.ndarray:
 
 
 def encode(x, fmt: FloatFormat) -> np.ndarray:
-    """uint8 codes of x rounded to an fp8 format (sign kept for zero; NaN to S.1111111)."""
+    """uint8 codes of x rounded to an fp8 format (sign kept for zero and NaN; NaN to S.1111111)."""
     rounded = round_float(x, fmt)
     table = TABLES[fmt.name][:128]  # the non-negative codes, in increasing order up to the NaNs
     finite = np.isfinite(table)
