@@ -54,7 +54,8 @@ def write_sections(out, script: str, order: tuple[str, ...], sections: dict, ext
                    began: float, load_before: float) -> None:
     """Write a sectioned benchmark's figures to `out` (JSON): the machine, date and command, the
     run's `extra` settings, the load before and after, and each section in `order`. A run of some
-    sections only (`only`) keeps the others from the file, naming the command that measured them."""
+    sections only (`only`) keeps the others from the file, naming the command, machine and date
+    that measured them (`kept_from_earlier`, `kept_runs`)."""
     import os
     import sys
     from pathlib import Path
@@ -72,6 +73,10 @@ def write_sections(out, script: str, order: tuple[str, ...], sections: dict, ext
         figures["sections"] = {k: (sections | kept)[k] for k in order if k in sections | kept}
         figures["kept_from_earlier"] = {k: earlier.get("kept_from_earlier", {}).get(k) or earlier.get("command")
                                         for k in kept}
+        # where and when each kept section ran: this run's machine may be another
+        figures["kept_runs"] = {k: earlier.get("kept_runs", {}).get(k) or
+                                {"machine": earlier["machine"], "measured_on": earlier["measured_on"],
+                                 "command": figures["kept_from_earlier"][k]} for k in kept}
     figures["bars_passed"] = {k: v.get("passed") for k, v in figures["sections"].items()}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(figures, indent=1, default=float) + "\n")

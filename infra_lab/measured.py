@@ -29,6 +29,20 @@ def load(name: str, folder: Path = RESULTS) -> dict | None:
     return results
 
 
-def label(results: dict) -> str:
-    """'NVIDIA H200, measured 2026-11-29 by `python benchmarks/…`', for a caption."""
-    return f"{results['machine']}, measured {results['measured_on']} by `{results['command']}`"
+def label(results: dict, section: str | None = None) -> str:
+    """'NVIDIA H200, measured 2026-11-29 by `python benchmarks/…`', for a caption: of the run that
+    measured `section`, when given (run_of)."""
+    run = run_of(results, section)
+    return f"{run['machine']}, measured {run['measured_on']} by `{run['command']}`"
+
+
+def run_of(results: dict, section: str | None = None) -> dict:
+    """{"machine", "measured_on", "command"} of the run that measured `section` of a sectioned
+    benchmark's results: a run of some sections only keeps the others from an earlier run,
+    perhaps on another machine (`kept_runs`); without `section`, the file's own run."""
+    kept = (results.get("kept_runs") or {}).get(section) if section else None
+    if kept:
+        return {key: kept[key] for key in REQUIRED}
+    command = (results.get("kept_from_earlier") or {}).get(section) if section else None
+    return {"machine": results["machine"], "measured_on": results["measured_on"],
+            "command": command or results["command"]}

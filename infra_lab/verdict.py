@@ -17,7 +17,7 @@ import datetime
 import math
 from dataclasses import dataclass
 
-from infra_lab import backend
+from infra_lab import backend, measured
 
 VERDICTS = ("holds", "does not hold", "inconclusive here")
 DIRECTIONS = ("at least", "at most")
@@ -36,7 +36,7 @@ ARTICLES = {
 class Claim:
     """What an article says, and the target a measurement must reach for it to hold."""
     statement: str  # the claim as the page states it: "speculative decoding speeds generation 2 to 3×"
-    source: str  # "A", "B" or "C" (ARTICLES), or a paper's citation
+    source: str  # "A", "B" or "C" (ARTICLES), or who set the target: "this book's target for its kernels"
     target: float  # the value the measurement must reach
     direction: str  # "at least" or "at most": which side of the target holds the claim
     unit: str = "×"  # printed after each figure: "×", "%", " ms"
@@ -50,8 +50,12 @@ class Claim:
         if not self.statement.strip():
             raise ValueError("a claim needs its statement")
 
-    def cited(self) -> str:
-        return f"the article {ARTICLES[self.source]}" if self.source in ARTICLES else self.source
+    def sentence(self) -> str:
+        """The claim with its source: "The article “…” (…) claims that …", or, for a target the
+        book set itself, "This book's target for its kernels: …"."""
+        if self.source in ARTICLES:
+            return f"The article {ARTICLES[self.source]} claims that {self.statement}."
+        return f"{self.source[0].upper() + self.source[1:]}: {self.statement}."
 
     def figure(self, value: float) -> str:
         if self.unit == "%":
@@ -59,15 +63,30 @@ class Claim:
         return f"{value:.{self.digits}f}{self.unit}"
 
 
+def median_coverage(rounds: int, confidence: float = 0.95) -> float:
+    """How often the interval the benchmarks give for a median of `rounds` values (the k-th
+    smallest to the k-th largest, benchmarks/engine_core.py's median_interval) holds the true
+    median: 1 - 2 P(Binomial(rounds, 1/2) < k). Below 6 rounds no such interval reaches 95%: 3
+    rounds' range holds it 75% of the time."""
+    if rounds < 1:
+        raise ValueError(f"need at least one round; got {rounds}")
+    tail = lambda k: sum(math.comb(rounds, i) for i in range(k)) / 2 ** rounds  # noqa: E731
+    k = 0
+    while k + 1 <= rounds // 2 and tail(k + 1) <= (1 - confidence) / 2:
+        k += 1
+    return 1 - 2 * tail(max(k, 1))
+
+
 @dataclass(frozen=True)
 class Evidence:
-    """A committed benchmark figure: the median of its rounds and a 95% interval for it."""
+    """A committed benchmark figure: the median of its rounds and an interval for it."""
     median: float
     low: float
     high: float
     machine: str  # "Intel(R) Xeon(R) Processor, 2 threads"
     measured_on: str  # ISO date
     command: str  # what produced it: "python benchmarks/speculative.py"
+    confidence: float = 0.95  # how often such an interval holds the median (median_coverage)
 
     def __post_init__(self):
         if not all(math.isfinite(x) for x in (self.median, self.low, self.high)):
@@ -80,9 +99,11 @@ class Evidence:
         datetime.date.fromisoformat(self.measured_on)  # raises ValueError on a malformed date
 
 
-def evidence(results: dict, figure: dict) -> Evidence:
+def evidence(results: dict, figure: dict, section: str | None = None) -> Evidence:
     """Evidence from a loaded results file (infra_lab.measured.load) and one of its figures: a
-    dict with "median" and either "low" and "high" or "interval_95" (the benchmarks' two forms)."""
+    dict with "median" and either "low" and "high" or "interval_95" (the benchmarks' two forms),
+    and, where it keeps them, its "rounds", whose count sets the interval's confidence. Give the
+    `section` of a sectioned benchmark: it may have run on another machine than the file's own."""
     if "low" in figure and "high" in figure:
         low, high = figure["low"], figure["high"]
     elif "interval_95" in figure:
@@ -90,8 +111,10 @@ def evidence(results: dict, figure: dict) -> Evidence:
     else:
         raise ValueError(f"a figure needs its median and 95% interval ('low' and 'high', or 'interval_95'); "
                          f"got keys {sorted(figure)}")
-    return Evidence(float(figure["median"]), float(low), float(high), results["machine"],
-                    results["measured_on"], results["command"])
+    confidence = median_coverage(len(figure["rounds"])) if "rounds" in figure else 0.95
+    run = measured.run_of(results, section)
+    return Evidence(float(figure["median"]), float(low), float(high), run["machine"], run["measured_on"],
+                    run["command"], confidence)
 
 
 def judge(claim: Claim, low: float, high: float) -> str:
@@ -107,10 +130,20 @@ def verdict(claim: Claim, found: Evidence) -> str:
     """The verdict as a Markdown paragraph: the claim, its source, the target, the benchmark's
     median and interval, and the machine, date and command of the run."""
     said = judge(claim, found.low, found.high)
-    return (f"**Verdict: {said}.** {claim.statement[0].upper() + claim.statement[1:]} ({claim.cited()}). "
+    spread = ("one run: no interval" if found.low == found.high else
+              f"median; {found.confidence:.0%} interval {claim.figure(found.low)} to "
+              f"{claim.figure(found.high)}")
+    return (f"**Verdict: {said}.** {claim.sentence()} "
             f"Target: {claim.direction} {claim.figure(claim.target)}. The committed benchmark run measured "
-            f"{claim.figure(found.median)} (median; 95% interval {claim.figure(found.low)} to "
-            f"{claim.figure(found.high)}) on {found.machine}, {found.measured_on} (`{found.command}`).")
+            f"{claim.figure(found.median)} ({spread}) on {found.machine}, {found.measured_on} "
+            f"(`{found.command}`).")
+
+
+def one_run(results: dict, value: float, section: str | None = None) -> Evidence:
+    """Evidence from a figure measured once (a training run): its interval is the point itself,
+    so the verdict is never "inconclusive" and the page says there was one run."""
+    run = measured.run_of(results, section)
+    return Evidence(float(value), float(value), float(value), run["machine"], run["measured_on"], run["command"])
 
 
 def live(claim: Claim, value: float, what: str = "this page's live run") -> str:

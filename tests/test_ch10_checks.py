@@ -93,7 +93,7 @@ def zero1_all_reduce(flat_params, flat_grads, shard, optimizer):
     dist.all_gather_single(flat_params, shard.detach().clone())
 
 
-@pytest.mark.grader
+@pytest.mark.slow
 def test_the_zero1_check_trains_the_real_model_and_names_mistakes():
     assert run("zero1_step", ch10.zero1_step).passed == 24  # the reference short-cuts: now run its source
     source = ch10.source_of(ch10_ranks.zero1_step).replace("def zero1_step", "def package_zero1_step")

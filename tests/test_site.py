@@ -19,6 +19,7 @@ from urllib.parse import urlparse
 
 import pytest
 import yaml
+from _words import INTERNAL, VERDICT_WORDS
 
 pytestmark = pytest.mark.site
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,8 +86,8 @@ def browser():
 class Visit:
     """One page opened with the network blocked: what it asked for and what it logged."""
 
-    def __init__(self, browser, url):
-        self.page = browser.new_page(viewport=VIEWPORT)
+    def __init__(self, browser, url, viewport=VIEWPORT):
+        self.page = browser.new_page(viewport=viewport)
         self.errors, self.external = [], []
         self.page.route("**/*", self._route)
         self.page.on("console", lambda m: m.type == "error" and self.errors.append(
@@ -108,8 +109,7 @@ class Visit:
             route.abort()
 
 
-@pytest.fixture(scope="module")
-def visit(browser, site_url):
+def visitor(browser, site_url, viewport):
     """visit(page) -> Visit, each page opened once per module (the checks only read it)."""
     visits = {}
 
@@ -117,9 +117,15 @@ def visit(browser, site_url):
         if relative not in visits:
             if not (SITE / relative).is_file():
                 pytest.fail(f"{relative} is in the table of contents but not in {SITE}")
-            visits[relative] = Visit(browser, f"{site_url}/{relative}")
+            visits[relative] = Visit(browser, f"{site_url}/{relative}", viewport)
         return visits[relative]
 
+    return open_once, visits
+
+
+@pytest.fixture(scope="module")
+def visit(browser, site_url):
+    open_once, visits = visitor(browser, site_url, VIEWPORT)
     yield open_once
     for one in visits.values():
         one.page.close()
@@ -365,3 +371,76 @@ def test_search_answers_offline(browser, site_url):
     assert any("stack" in hit.lower() for hit in hits), hits
     assert page.errors == [] and page.external == [], (page.errors, page.external)
     page.page.close()
+
+
+PROSE = """() => {
+  const main = (document.querySelector("main") || document.body).cloneNode(true);
+  main.querySelectorAll("pre, code, .highlight, script, style, mjx-container, svg")
+      .forEach(e => e.remove());
+  // the shared function's verdicts say "does not hold" and "inconclusive" by design
+  main.querySelectorAll("p").forEach(p => {
+    if (p.textContent.trim().startsWith("Verdict:")) p.remove();
+  });
+  return main.textContent;
+}"""
+
+
+@pytest.mark.parametrize("relative", TOC_PAGES)
+def test_the_prose_has_no_words_of_the_books_own_process(visit, relative):
+    """A reader has no seed, issue or bar: articles are cited by title and a target is called
+    a target; and every verdict on a claim is the shared function's (infra_lab.verdict)."""
+    text = visit(relative).page.evaluate(PROSE)
+    internal = sorted({m.group(0) for m in INTERNAL.finditer(text)})
+    assert internal == [], f"{relative}: words a reader cannot know: {internal}"
+    by_hand = [m.group(0) for m in VERDICT_WORDS.finditer(text)]
+    assert by_hand == [], f"{relative}: verdicts not written by infra_lab.verdict: {by_hand}"
+
+
+PHONE = {"width": 390, "height": 844}
+SMALLEST_TEXT_PX = 7  # the figures' smallest text is 9 pt (12 px at their natural size)
+FIGURE_TEXT_PX = 12
+
+FIGURE_SCALES = """() => Array.from(document.querySelectorAll("main img"))
+  .filter(i => i.naturalWidth > 200 && /svg/.test(i.currentSrc || i.src))
+  .map(i => ({alt: i.alt, shown: i.getBoundingClientRect().width, natural: i.naturalWidth}))"""
+
+CLIPPED_MATH = """() => {
+  const cut = [];
+  for (const m of document.querySelectorAll("main mjx-container")) {
+    const box = m.getBoundingClientRect();
+    // the nearest box that hides, or scrolls, what overflows it, above MathJax's own wrapper
+    let host = (m.closest(".math") || m).parentElement;
+    while (host && !["hidden", "clip", "auto", "scroll"].includes(getComputedStyle(host).overflowX)
+           && host.tagName !== "MAIN") host = host.parentElement;
+    if (host && ["auto", "scroll"].includes(getComputedStyle(host).overflowX)) continue;  // it scrolls
+    const edge = host ? host.getBoundingClientRect().right : window.innerWidth;
+    const scrolls = ["auto", "scroll"].includes(getComputedStyle(m).overflowX);
+    if (box.width > 0 && !scrolls && box.right > Math.min(edge, window.innerWidth) + 1)
+      cut.push(m.textContent.slice(0, 40) +
+               ` (${Math.round(box.right)} px > ${Math.round(Math.min(edge, window.innerWidth))} px)`);
+  }
+  return cut;
+}"""
+
+
+@pytest.fixture(scope="module")
+def phone_visit(browser, site_url):
+    """As `visit`, at a phone's 390 px width."""
+    open_once, visits = visitor(browser, site_url, PHONE)
+    yield open_once
+    for one in visits.values():
+        one.page.close()
+
+
+@pytest.mark.parametrize("relative", TOC_PAGES)
+def test_figure_text_stays_legible_on_a_phone(phone_visit, relative):
+    small = [f"{f['alt']!r} at {f['shown'] / f['natural']:.0%}" for f in phone_visit(relative).page.evaluate(FIGURE_SCALES)
+             if f["shown"] / f["natural"] * FIGURE_TEXT_PX < SMALLEST_TEXT_PX]
+    assert small == [], f"{relative} at 390 px: figures whose 9 pt text shows below {SMALLEST_TEXT_PX} px: {small}"
+
+
+@pytest.mark.parametrize("relative", TOC_PAGES)
+def test_no_math_is_cut_on_a_phone_or_a_laptop(visit, phone_visit, relative):
+    for width, page in ((1280, visit(relative).page), (390, phone_visit(relative).page)):
+        cut = page.evaluate(CLIPPED_MATH)
+        assert cut == [], f"{relative} at {width} px: math cut at the column's edge: {cut}"

@@ -50,8 +50,9 @@ def test_the_rule_against_every_point_of_the_interval(a, b, target, direction):
 def test_a_narrow_interval_never_flips_with_a_live_figure():
     found = verdict.Evidence(2.85, 2.7, 3.0, **RUN)
     page = verdict.verdict(AT_LEAST, found)
-    assert page.startswith("**Verdict: holds.** Speculative decoding speeds generation 2 to 3× (the article ")
-    assert "No more idle GPUs!" in page and "Target: at least 2.00×" in page
+    assert page.startswith("**Verdict: holds.** The article “拒绝GPU空转！")
+    assert "(No more idle GPUs! How AI Infra squeezes the last FLOP out of the silicon) claims that speculative " \
+           "decoding speeds generation 2 to 3×. Target: at least 2.00×" in page
     assert "2.85× (median; 95% interval 2.70× to 3.00×)" in page
     assert "Intel(R) Xeon(R) Processor, 2 threads, 2026-12-01 (`python benchmarks/speculative.py`)" in page
     said = verdict.live(AT_LEAST, 1.98)
@@ -67,7 +68,7 @@ def test_percent_claims_print_percent():
 
 def test_evidence_reads_both_forms_the_benchmarks_write():
     results = dict(RUN)
-    a = verdict.evidence(results, {"median": 2.0, "low": 1.9, "high": 2.2, "rounds": [1.9, 2.0, 2.2]})
+    a = verdict.evidence(results, {"median": 2.0, "low": 1.9, "high": 2.2})
     b = verdict.evidence(results, {"median": 2.0, "interval_95": [1.9, 2.2]})
     assert a == b == verdict.Evidence(2.0, 1.9, 2.2, **RUN)
     with pytest.raises(ValueError, match=r"median and 95% interval .* got keys \['median'\]"):
@@ -94,3 +95,43 @@ def test_bad_claims_and_intervals_are_named():
         verdict.judge(AT_LEAST, 2.0, 1.0)
     with pytest.raises(ValueError, match="live figure must be finite; got inf"):
         verdict.live(AT_LEAST, math.inf)
+
+
+def test_one_run_says_so_and_has_no_interval():
+    found = verdict.one_run(RUN, 1.13)
+    assert (found.low, found.median, found.high) == (1.13, 1.13, 1.13)
+    claim = verdict.Claim("balancing keeps loads within 15%", "A", 1.15, "at most", digits=3)
+    page = verdict.verdict(claim, found)
+    assert page.startswith("**Verdict: holds.** The article “AI Infra深度解析") and "1.130× (one run: no interval)" in page
+    own = verdict.Claim("the kernel runs 3× as fast", "this book's target for its kernels", 3.0, "at least")
+    assert verdict.verdict(own, found).startswith(
+        "**Verdict: does not hold.** This book's target for its kernels: the kernel runs 3× as fast. Target: at least")
+
+
+def test_the_interval_states_its_real_confidence():
+    """Brute force: the chance that the benchmarks' interval misses the median, by enumerating
+    which of the rounds fall below it (each does with probability 1/2)."""
+    import itertools
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from engine_core import median_interval
+
+    for n in (3, 5, 6, 7, 9, 15, 21):
+        lo, hi = median_interval(list(range(n)))  # ranks: the interval is [x_lo, x_hi]
+        misses = sum(1 for below in itertools.product((0, 1), repeat=n)
+                     if sum(below) <= lo or sum(below) >= hi + 1)  # the median lies outside
+        assert verdict.median_coverage(n) == pytest.approx(1 - misses / 2 ** n), n
+    assert verdict.median_coverage(3) == 0.75 and verdict.median_coverage(15) > 0.95
+    three = verdict.evidence(RUN, {"median": 2.85, "low": 2.5, "high": 3.53, "rounds": [2.5, 2.85, 3.53]})
+    assert "(median; 75% interval 2.50× to 3.53×)" in verdict.verdict(AT_LEAST, three)
+
+
+def test_evidence_names_the_machine_of_its_section():
+    results = {**RUN, "machine": "AMD EPYC, 2 threads",
+               "kept_runs": {"speed": dict(RUN)}, "kept_from_earlier": {"speed": RUN["command"]}}
+    figure = {"median": 2.0, "low": 1.9, "high": 2.2}
+    assert verdict.evidence(results, figure, "speed").machine == RUN["machine"]
+    assert verdict.evidence(results, figure, "other").machine == "AMD EPYC, 2 threads"
+    assert verdict.one_run(results, 1.1, "speed").machine == RUN["machine"]

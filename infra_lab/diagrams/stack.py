@@ -1,6 +1,7 @@
 """The AI-infrastructure stack as a picture: one band per layer, top to bottom as given, with
-what lives there and a chip for each chapter of the book that builds it. Drawn from
-`infra_lab.stack.STACK`, so the picture changes when the stack does."""
+what lives there and a chip for each chapter of the book that builds it (dashed and grey for a
+chapter still to come, `stack.PLANNED`). Drawn from `infra_lab.stack.STACK`, so the picture
+changes when the stack does."""
 from __future__ import annotations
 
 import textwrap
@@ -11,7 +12,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import FancyBboxPatch
 from matplotlib.textpath import TextPath
 
-from infra_lab.stack import CHAPTERS, STACK, Layer
+from infra_lab.stack import CHAPTERS, PLANNED, STACK, Layer
 
 WIDTH_IN = 6.8
 TEXT_IN = 3.95  # the left part of a band: the layer's name and what lives there
@@ -28,8 +29,9 @@ def text_width_in(text: str, size_pt: float, bold: bool = False) -> float:
     return path.get_extents().width / 72
 
 
-def chip_label(chapter: str, names: Mapping[str, str]) -> str:
-    return f"{chapter}\n{names[chapter]}" if chapter in names else chapter
+def chip_label(chapter: str, names: Mapping[str, str], planned: frozenset[str] = PLANNED) -> str:
+    number = f"{chapter}, to come" if chapter in planned else chapter
+    return f"{number}\n{names[chapter]}" if chapter in names else number
 
 
 def chip_rows(chapters: Sequence[str], names: Mapping[str, str],
@@ -87,12 +89,16 @@ def draw(layers: Sequence[Layer] = STACK, chapter_names: Mapping[str, str] = CHA
         for row in rows:
             x = TEXT_IN + PAD_IN
             for chapter, label, width in row:
+                planned = chapter in PLANNED  # dashed and grey: not in the book yet
                 ax.add_patch(FancyBboxPatch((x, chip_top - chip_h), width, chip_h,
-                                            facecolor="white", edgecolor="#1f4e79",
+                                            facecolor="#f2f2f2" if planned else "white",
+                                            edgecolor="#777777" if planned else "#1f4e79",
+                                            linestyle="--" if planned else "-",
                                             boxstyle="round,pad=0,rounding_size=0.05",
                                             gid=f"chapter {chapter} of layer {index}"))
                 ax.text(x + width / 2, chip_top - chip_h / 2, label, ha="center", va="center",
-                        fontsize=TEXT_PT, fontweight="bold", linespacing=1.1)
+                        fontsize=TEXT_PT, fontweight="normal" if planned else "bold",
+                        color="#555555" if planned else "black", linespacing=1.1)
                 x += width + CHIP_GAP_IN
             chip_top -= chip_h + CHIP_GAP_IN
         top -= band_h + CHIP_GAP_IN

@@ -247,7 +247,8 @@ def overlap_rank(settings: Settings, rounds: int) -> dict:
     alone, then a barrier ("compute"), the all-reduce of every unit's gradients alone
     ("communication"), and data-parallel steps (forward, backward, gradient sync) with and without
     overlap, on copies of the model. A step's exposed communication is its time beyond compute's,
-    as a share of communication's; its overhead, the same time as a share of the step's."""
+    as a share of communication's; its overhead, the same time as a share of the step's. `rounds`
+    keeps each round's times, for intervals across rounds."""
     world, rank = dist.get_world_size(), dist.get_rank()
     x, y = batches(Settings(steps=1, batch=settings.batch, window=settings.window, seed=settings.seed))[0]
     share = slice(rank * settings.batch // world, (rank + 1) * settings.batch // world)
@@ -288,4 +289,5 @@ def overlap_rank(settings: Settings, rounds: int) -> dict:
     steps = ("overlapped", "after backward")
     return {"seconds": median,
             "exposed share": {n: (median[n] - median["compute"]) / median["communication"] for n in steps},
-            "overhead": {n: (median[n] - median["compute"]) / median[n] for n in steps}}
+            "overhead": {n: (median[n] - median["compute"]) / median[n] for n in steps},
+            "rounds": seconds}  # every timed round's seconds, by case, in order
