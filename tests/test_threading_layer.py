@@ -48,10 +48,12 @@ def moe_seconds(order: str, **env) -> tuple[str, float]:
 
 @pytest.mark.slow
 def test_the_moe_layer_runs_as_fast_after_import_torch_as_before():
-    layer_before, before = moe_seconds("infra_lab first")
-    layer_after, after = moe_seconds("torch first")
-    assert (layer_before, layer_after) == ("omp", "workqueue")
-    # two runtimes made this 2-7x slower; load from other work leaves the best of 9 within 1.5x
+    # the two orders take turns, three times each, so load from other work falls on both alike
+    runs = [moe_seconds(order) for _ in range(3) for order in ("infra_lab first", "torch first")]
+    layers = {layer for layer, _ in runs}
+    before, after = min(s for _, s in runs[0::2]), min(s for _, s in runs[1::2])
+    assert [layer for layer, _ in runs[:2]] == ["omp", "workqueue"] and len(layers) == 2
+    # two OpenMP runtimes made this 2-7x slower; the best of 27 timings each stays within 1.5x
     assert after < 1.5 * before, (before, after)
 
 
