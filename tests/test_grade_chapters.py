@@ -28,3 +28,18 @@ def test_every_chapter_grades_solutions_full_and_fresh_exercises_zero(chapter):
     assert full == {name: ("ok", 24, 1.0) for name in names}
     zero = scores(grade.grade_one(assignment, ROOT / "exercises" / chapter, WHOLE_CHAPTER))
     assert zero == {name: ("ok", 0, 0.0) for name in names}
+
+
+@pytest.mark.slow
+def test_a_solution_that_calls_the_packages_answer_scores_nothing_for_it(tmp_path):
+    """Chapter 07's first exercise answered by the package's own function: all 24 cases pass,
+    the status says so, and it earns no points; the other exercises grade as usual."""
+    assignment = notebooks.read(ROOT / "exercises" / "ch07_speculative.ipynb")
+    submission = notebooks.read(ROOT / "solutions" / "ch07_speculative.ipynb")
+    cell = submission.cells[notebooks.exercises(submission)["ch07.expected_tokens"].solution_index]
+    cell.source = ("from infra_lab.serving import speculative\n\n\n"
+                   "def expected_tokens(alpha, gamma):\n    return speculative.expected_tokens(alpha, gamma)\n")
+    notebooks.write(submission, tmp_path / "lazy.ipynb")
+    got = scores(grade.grade_one(assignment, tmp_path / "lazy.ipynb", WHOLE_CHAPTER))
+    assert got.pop("ch07.expected_tokens") == ("reference", 24, 0.0)
+    assert got == {name: ("ok", 24, 1.0) for name in got}

@@ -19,9 +19,11 @@ from pathlib import Path
 
 import nbformat
 
-from infra_lab.grading import notebooks
+from infra_lab.grading import notebooks, reference_use
 
-STATUSES = ("ok", "error", "timeout", "missing")
+# "reference": the solution uses the package's own answer to the exercise (reference_use), so it
+# scores no points whatever its cases; the instructor decides
+STATUSES = ("ok", "error", "timeout", "missing", "reference")
 COLUMNS = ("submission", "exercise", "passed", "total", "points", "status")
 
 
@@ -115,12 +117,15 @@ def grade_one(assignment: nbformat.NotebookNode, submission_path: Path, limits: 
     for report in reports:
         if "exercise" in report:
             outcome[report["exercise"]] = report
+    sources = {cell["exercise"]: cell["source"] for cell in cells if cell["role"] == "solution"}
     rows = []
     for name, exercise in wanted.items():
         report = outcome.get(name, {"status": unfinished})
         status = "missing" if name in missing else report["status"]
         if status == "started":
             status = unfinished
+        if status == "ok" and reference_use.answers_used(name, sources.get(name, "")):
+            status = "reference"
         passed, total = int(report.get("passed", 0)), int(report.get("total", 0))
         points = round(exercise.points * passed / total, 4) if status == "ok" and total else 0.0
         rows.append(Row(str(submission_path), name, passed, total, points, status))
