@@ -11,10 +11,8 @@ from pathlib import Path
 import nbformat
 import pytest
 from nbclient import NotebookClient
-from traitlets.config import Config
 
 ROOT = Path(__file__).resolve().parent.parent
-IPC = Config({"KernelManager": {"transport": "ipc"}})
 SLOW_S = 60  # a step of one notebook over this is reported: at quick sizes none takes half of it
 # each notebook's seconds (the whole run, the kernel's start and stop, each code cell) land here
 TIMES = ROOT / "_build" / "torch_pass"
@@ -36,9 +34,7 @@ def test_notebook_runs_on_the_torch_backend(relative, monkeypatch):
     monkeypatch.setenv("MPLBACKEND", "Agg")
     notebook = nbformat.read(ROOT / relative, as_version=4)
     start = time.perf_counter()
-    # IPC sockets, not TCP ports: no port chosen for this kernel can be taken by another
-    # worker's kernel before it binds
-    NotebookClient(notebook, timeout=300, kernel_name="python3", config=IPC,
+    NotebookClient(notebook, timeout=300, kernel_name="python3",
                    resources={"metadata": {"path": str((ROOT / relative).parent)}}).execute()
     report_times(relative, notebook, time.perf_counter() - start)
     first = next(cell for cell in notebook.cells if cell.cell_type == "code")
