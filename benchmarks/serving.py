@@ -54,7 +54,7 @@ import numpy as np
 from infra_lab import backend, hardware, model
 from infra_lab.model import cost
 from infra_lab.model.generate import generate
-from infra_lab.serving import metrics, simulator, traffic
+from infra_lab.serving import metrics, simulator, steplog, traffic
 from infra_lab.serving.config import EngineConfig
 from infra_lab.serving.engine import Engine
 from infra_lab.serving.request import RequestState, SamplingParams
@@ -154,20 +154,6 @@ def summary_figures(summary: metrics.Summary) -> dict:
             "slot_utilization": summary.slot_utilization, "ttft_s": summary.ttft_s, "tpot_s": summary.tpot_s,
             "preemptions": summary.preemptions, "forward_share": summary.forward_share,
             "n_finished": summary.n_finished, "n_rejected": summary.n_rejected}
-
-
-def step_sequences(log) -> list[list[tuple[int, int]]]:
-    """Each logged step's (context before, new tokens) per request, rebuilt from the log (a
-    request's context is what its earlier steps computed; a preemption by recompute starts it
-    again from 0, and one by swap keeps it)."""
-    computed, steps = {}, []
-    for record in log:
-        for request_id in set(record.preempted) - set(record.swapped_out):
-            computed[request_id] = 0
-        steps.append([(computed.get(w.request_id, 0), w.n_tokens) for w in record.work])
-        for w in record.work:
-            computed[w.request_id] = computed.get(w.request_id, 0) + w.n_tokens
-    return steps
 
 
 def decode_step_ms_by_batch(log, width: int = 8) -> dict[str, dict]:
@@ -495,7 +481,7 @@ def simulator_section(bench: Bench, quick: bool) -> dict:
         workload = traffic.sharegpt_like(max(8, round(share * rate * s.simulator_s)), share * rate,
                                          bench.seed + 10 + k, MAX_LEN)
         real_engine, _, real = bench.serve(config, workload)
-        predicted_s = [fitted.seconds(seqs) for seqs in step_sequences(real_engine.log)]
+        predicted_s = [fitted.seconds(seqs) for seqs in steplog.step_sequences(real_engine.log)]
         real_s = [r.seconds for r in real_engine.log]
         step_errors = [relative_error(p, r) for p, r in zip(predicted_s, real_s)]
         engine = simulator.simulated_engine(fitted, config)

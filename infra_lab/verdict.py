@@ -102,7 +102,8 @@ class Evidence:
 def evidence(results: dict, figure: dict, section: str | None = None) -> Evidence:
     """Evidence from a loaded results file (infra_lab.measured.load) and one of its figures: a
     dict with "median" and either "low" and "high" or "interval_95" (the benchmarks' two forms),
-    and, where it keeps them, its "rounds", whose count sets the interval's confidence. Give the
+    and, where it keeps them, its "rounds" (or "per_round"), whose count sets the interval's
+    confidence. Give the
     `section` of a sectioned benchmark: it may have run on another machine than the file's own."""
     if "low" in figure and "high" in figure:
         low, high = figure["low"], figure["high"]
@@ -111,7 +112,8 @@ def evidence(results: dict, figure: dict, section: str | None = None) -> Evidenc
     else:
         raise ValueError(f"a figure needs its median and 95% interval ('low' and 'high', or 'interval_95'); "
                          f"got keys {sorted(figure)}")
-    confidence = median_coverage(len(figure["rounds"])) if "rounds" in figure else 0.95
+    rounds = figure.get("rounds", figure.get("per_round"))  # the benchmarks use either name
+    confidence = median_coverage(len(rounds)) if rounds else 0.95
     run = measured.run_of(results, section)
     return Evidence(float(figure["median"]), float(low), float(high), run["machine"], run["measured_on"],
                     run["command"], confidence)

@@ -126,6 +126,9 @@ def test_the_interval_states_its_real_confidence():
     assert verdict.median_coverage(3) == 0.75 and verdict.median_coverage(15) > 0.95
     three = verdict.evidence(RUN, {"median": 2.85, "low": 2.5, "high": 3.53, "rounds": [2.5, 2.85, 3.53]})
     assert "(median; 75% interval 2.50× to 3.53×)" in verdict.verdict(AT_LEAST, three)
+    serving = verdict.evidence(RUN, {"median": 1.15, "interval_95": [1.13, 1.21],
+                                     "per_round": [1.13, 1.21, 1.15]})  # serving.json's form
+    assert serving.confidence == 0.75
 
 
 def test_evidence_names_the_machine_of_its_section():

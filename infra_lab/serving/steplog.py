@@ -58,3 +58,18 @@ class StepRecord:
     @property
     def decode_tokens(self) -> int:
         return sum(w.n_tokens for w in self.work if w.kind == "decode")
+
+
+def step_sequences(log) -> list[list[tuple[int, int]]]:
+    """Each logged step's (context before, new tokens) per request, rebuilt from the log (a
+    request's context is what its earlier steps computed; a preemption by recompute starts it
+    again from 0, and one by swap keeps it): what the roofline and the simulator's step-time
+    model take. Drafted tokens (chapter 07) and prefix-cache hits (chapter 04) are not in it."""
+    computed, steps = {}, []
+    for record in log:
+        for request_id in set(record.preempted) - set(record.swapped_out):
+            computed[request_id] = 0
+        steps.append([(computed.get(w.request_id, 0), w.n_tokens) for w in record.work])
+        for w in record.work:
+            computed[w.request_id] = computed.get(w.request_id, 0) + w.n_tokens
+    return steps
