@@ -131,6 +131,8 @@ def test_step_cost_matches_a_per_token_sum(batch, new_tokens, context):
     weights = config.total_params - config.vocab * config.d_model  # the embedding is indexed
     kv = batch * (context + new_tokens) * roofline.kv_bytes_per_token(config, "fp32")
     assert cost.bytes == pytest.approx(4 * weights + kv)
+    from infra_lab.model.cost import batch_cost  # step_cost's closed form: the same sums
+    assert cost == batch_cost(config, [(context, new_tokens)] * batch, "fp32")
 
 
 def test_moe_decode_reads_more_experts_as_the_batch_grows():

@@ -58,7 +58,10 @@ def step_cost(config: ModelConfig, batch: int, new_tokens: int, context: int,
                                 ("context", context, 0)):
         if value < least:
             raise ValueError(f"{label} must be >= {least}; got {value}")
-    return batch_cost(config, [(context, new_tokens)] * batch, dtype)
+    # batch_cost's sums for `batch` equal sequences, in closed form: O(1) at any batch
+    attended = new_tokens * context + new_tokens * (new_tokens + 1) / 2  # causal pairs each
+    return forward_cost(config, batch * new_tokens, batch * attended,
+                        batch * (context + new_tokens), dtype)
 
 
 def batch_cost(config: ModelConfig, sequences: list[tuple[int, int]], dtype: str) -> Cost:
@@ -68,7 +71,6 @@ def batch_cost(config: ModelConfig, sequences: list[tuple[int, int]], dtype: str
     sequence reads its own cached K and V and writes its new ones."""
     if not sequences:
         raise ValueError("a step needs at least one sequence")
-    element = bytes_per_element(dtype)
     tokens = attended = kv_tokens = 0
     for context, new_tokens in sequences:
         if context < 0 or new_tokens < 1:
@@ -77,6 +79,14 @@ def batch_cost(config: ModelConfig, sequences: list[tuple[int, int]], dtype: str
         tokens += new_tokens
         attended += new_tokens * context + new_tokens * (new_tokens + 1) / 2  # causal pairs
         kv_tokens += context + new_tokens
+    return forward_cost(config, tokens, attended, kv_tokens, dtype)
+
+
+def forward_cost(config: ModelConfig, tokens: int, attended: float, kv_tokens: int,
+                 dtype: str) -> Cost:
+    """A forward's FLOPs and bytes from its totals: new tokens, (query, key) pairs attended,
+    and tokens whose K and V are read or written."""
+    element = bytes_per_element(dtype)
     attention_flops = 4 * config.n_layers * config.d_model * attended  # QK^T, PV
     flops = 2 * tokens * config.active_params + attention_flops
     experts = config.experts_touched(tokens) * config.expert_params
