@@ -103,8 +103,8 @@ def evidence(results: dict, figure: dict, section: str | None = None) -> Evidenc
     """Evidence from a loaded results file (infra_lab.measured.load) and one of its figures: a
     dict with "median" and either "low" and "high" or "interval_95" (the benchmarks' two forms),
     and, where it keeps them, its "rounds" (or "per_round"), whose count sets the interval's
-    confidence. Give the
-    `section` of a sectioned benchmark: it may have run on another machine than the file's own."""
+    confidence. Give the `section` of a sectioned benchmark: it may have run on another machine
+    than the file's own."""
     if "low" in figure and "high" in figure:
         low, high = figure["low"], figure["high"]
     elif "interval_95" in figure:

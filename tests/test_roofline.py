@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from infra_lab import hardware, roofline, roofline_kernels
+from infra_lab.model.cost import batch_cost, forward_cost
 
 H100 = hardware.get("H100 SXM")
 sizes = st.integers(1, 4096)
@@ -131,8 +132,14 @@ def test_step_cost_matches_a_per_token_sum(batch, new_tokens, context):
     weights = config.total_params - config.vocab * config.d_model  # the embedding is indexed
     kv = batch * (context + new_tokens) * roofline.kv_bytes_per_token(config, "fp32")
     assert cost.bytes == pytest.approx(4 * weights + kv)
-    from infra_lab.model.cost import batch_cost  # step_cost's closed form: the same sums
-    assert cost == batch_cost(config, [(context, new_tokens)] * batch, "fp32")
+    assert cost == batch_cost(config, [(context, new_tokens)] * batch, "fp32")  # its closed form
+
+
+def test_forward_cost_names_impossible_totals():
+    config = roofline.preset("infra-lab-tiny")
+    for tokens, attended, kv_tokens in ((0, 0, 0), (2, -1, 2), (4, 10, 3)):
+        with pytest.raises(ValueError, match=f"got tokens={tokens}, attended={attended}"):
+            forward_cost(config, tokens, attended, kv_tokens, "fp32")
 
 
 def test_moe_decode_reads_more_experts_as_the_batch_grows():

@@ -86,6 +86,9 @@ def forward_cost(config: ModelConfig, tokens: int, attended: float, kv_tokens: i
                  dtype: str) -> Cost:
     """A forward's FLOPs and bytes from its totals: new tokens, (query, key) pairs attended,
     and tokens whose K and V are read or written."""
+    if tokens < 1 or attended < 0 or kv_tokens < tokens:
+        raise ValueError(f"a forward needs tokens >= 1, attended >= 0 and kv_tokens >= tokens; got "
+                         f"tokens={tokens}, attended={attended}, kv_tokens={kv_tokens}")
     element = bytes_per_element(dtype)
     attention_flops = 4 * config.n_layers * config.d_model * attended  # QK^T, PV
     flops = 2 * tokens * config.active_params + attention_flops
