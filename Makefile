@@ -57,7 +57,7 @@ chromium:
 # module's processes are spawned once): most of the suite is single-threaded Python. The grader's
 # tests time hangs and floods, so they run afterwards, alone.
 test: book chromium
-	$(BIN)/python -m pytest tests solutions --nbval-lax -q -n 2 --dist loadfile -m "not grader" --durations=25
+	$(BIN)/python -m pytest tests solutions --nbval-lax -q -n 2 --dist loadfile -m "not grader" --durations=25 --junitxml=_build/tests.xml
 	$(BIN)/python -m pytest tests -q -m grader
 
 # The inner loop of development: the unit and property tests without the slow ones (processes,
