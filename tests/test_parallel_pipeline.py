@@ -88,6 +88,43 @@ def test_replay_follows_unequal_times_and_finds_deadlocks():
         pipeline.replay([[("F", 0), ("B", 0)], [("B", 0), ("F", 0)]], dict.fromkeys(seconds, 1))
 
 
+def test_replay_charges_each_message_between_ranks_and_none_within_one():
+    plan = pipeline.schedule("gpipe", 2, 1)  # rank 0: F0, B0; rank 1: F0, B0
+    seconds = {(0, "F", 0): 1, (1, "F", 0): 1, (1, "B", 0): 2, (0, "B", 0): 2}
+    assert pipeline.replay(plan, seconds) == 6
+    # F0 on rank 0, the activation, F0 and B0 on rank 1 (its own forward: no message), the
+    # gradient, B0 on rank 0
+    assert pipeline.replay(plan, seconds, message_s=0.25) == 6.5
+
+
+@given(kind=KINDS, stages=st.integers(2, 5), micro_batches=st.integers(1, 12),
+       message_s=st.floats(0.0, 2.0))
+def test_slower_messages_never_shorten_the_replay(kind, stages, micro_batches, message_s):
+    plan = pipeline.schedule(kind, stages, micro_batches)
+    seconds = {(rank, kind_, micro): 1.0 + (kind_ == "B") for rank, ops in enumerate(plan) for kind_, micro in ops}
+    instant = pipeline.replay(plan, seconds)
+    assert instant == pytest.approx((micro_batches + stages - 1) * 3)  # the formula's span, equal stages
+    slower = pipeline.replay(plan, seconds, message_s)
+    # at least one message per stage boundary each way lies on the critical path, at most all
+    assert instant + 2 * (stages - 1) * message_s - 1e-9 <= slower
+    assert slower <= instant + 2 * (stages - 1) * micro_batches * message_s + 1e-9
+
+
+def test_crossings_count_only_messages_their_consumer_waited_for():
+    event = pipeline.Event
+    logs = [pipeline.Log(0, 0.0, [event("F", 0, 0.0, 1.0, 0.0, 1.0), event("F", 1, 1.1, 2.1, 0.0, 1.0),
+                                  event("B", 0, 4.5, 5.5, 2.3, 1.0), event("B", 1, 7.7, 8.7, 0.0, 1.0)], 0, 0),
+            pipeline.Log(1, 0.0, [event("F", 0, 1.2, 2.2, 1.1, 1.0), event("B", 0, 2.3, 4.3, 0.0, 2.0),
+                                  event("F", 1, 4.4, 5.4, 0.0, 1.0), event("B", 1, 5.5, 7.5, 0.0, 2.0)], 0, 0)]
+    # rank 1's F0 waited from 0.1, before rank 0's F0 ended at 1.0: a crossing of 0.2 s. Its F1
+    # found the activation there (sent at 2.1, taken at 4.4): none. Rank 0's B0 waited from 2.2
+    # for the gradient sent at 4.3: 0.2 s; its B1 began at 7.7, long after 7.5, without waiting
+    assert pipeline.crossings(logs) == pytest.approx([0.2, 0.2])
+    # between two operations besides the wait: 0.1, 0.1, 0.1 (5.5 -> 7.7 counts 2.2, not waited);
+    # on rank 1, 0.1 after each operation
+    assert pipeline.between(logs) == pytest.approx([0.1, 0.1, 2.2, 0.1, 0.1, 0.1])
+
+
 @pytest.mark.parametrize("stages, micro_batches, expected", [(1, 5, 0.0), (2, 1, 0.5), (4, 8, 3 / 11), (2, 16, 1 / 17),
                                                              (8, 64, 7 / 71)])
 def test_the_bubble_formula(stages, micro_batches, expected):
@@ -200,3 +237,18 @@ def test_the_measured_bubble_is_roughly_the_formula(two_ranks):
 def test_the_world_size_must_equal_the_stage_count(two_ranks):
     assert all(m == "the world size (2) must equal the stage count (3): one process per stage"
                for _, _, m in two_ranks)
+
+
+@pytest.mark.slow
+def test_stages_that_only_sleep_measure_the_messages_alone():
+    """Two stages of 5 and 10 ms sleeps, 4 micro-batches: the logged operations take their sleeps,
+    the messages cost something but far less than an operation, and charging every message the
+    median crossing brings the replay closer to what was measured without passing far beyond it."""
+    rows = pipeline_runs.message_cost([(2, 4, 8)], micro_batches=4, forward_s=0.005, backward_s=0.010,
+                                      repeats=2, timeout_s=120)
+    row, = rows
+    assert row["bytes"] == 2 * 4 * 8 * 4 and row["formula"] == pytest.approx(0.2)
+    assert 0 < row["crossing_ms"] < 5 and 0 <= row["between_ms"] < 5 and row["crossings"] >= 1
+    assert row["instant"] <= row["with_messages"] <= row["measured"] + 0.05
+    assert row["formula"] - 0.02 <= row["instant"]
+

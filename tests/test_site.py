@@ -343,7 +343,7 @@ def test_every_chapter_has_figures_source_and_an_explorer(visit, relative):
 def test_chapter_00_shows_its_source_listings(visit):
     page = visit("book/ch00_stack.html").page
     assert page.locator(".infra-lab-source").count() >= 4
-    assert "infra_lab/stack.py, lines" in page.inner_text("body")
+    assert "infra_lab/backend.py, lines" in page.inner_text("body")
 
 
 def test_no_widget_state_or_widget_renderer_is_shipped(visit):

@@ -200,9 +200,10 @@ def idle_share(logs: list[Log]) -> float:
     return 1.0 - busy / (len(logs) * span(logs))
 
 
-def replay(plan: list[list[Op]], seconds: dict[tuple[int, str, int], float]) -> float:
+def replay(plan: list[list[Op]], seconds: dict[tuple[int, str, int], float], message_s: float = 0.0) -> float:
     """The span of `plan` on ideal processes: each runs its operations in order, each as soon as its
-    input is there, messages take no time, and operation (rank, kind, micro) takes seconds[...]."""
+    input is there, a message from another rank takes `message_s` (none by default), and operation
+    (rank, kind, micro) takes seconds[...]."""
     ends: dict[tuple[int, str, int], float] = {}
     free, position = [0.0] * len(plan), [0] * len(plan)
     while len(ends) < sum(map(len, plan)):
@@ -215,7 +216,8 @@ def replay(plan: list[list[Op]], seconds: dict[tuple[int, str, int], float]) -> 
                 needs += [(rank, "F", micro)] if kind == "B" else []  # its own forward's activations
                 if any(need not in ends for need in needs):
                     break  # its input comes later
-                free[rank] = max([free[rank]] + [ends[need] for need in needs]) + seconds[(rank, kind, micro)]
+                arrive = [ends[need] + (message_s if need[0] != rank else 0.0) for need in needs]
+                free[rank] = max([free[rank]] + arrive) + seconds[(rank, kind, micro)]
                 ends[(rank, kind, micro)] = free[rank]
                 position[rank] += 1
         if len(ends) == before:
@@ -224,12 +226,36 @@ def replay(plan: list[list[Op]], seconds: dict[tuple[int, str, int], float]) -> 
     return max(ends.values())
 
 
-def replayed_idle_share(plan: list[list[Op]], logs: list[Log]) -> float:
-    """The idle share the logged operations' own times would give with instant messages: what is
-    left of `idle_share` once communication is taken out; its gap to `bubble_fraction` comes from
-    the operations' times alone (stages unequal, or slowed by the machine)."""
+def replayed_idle_share(plan: list[list[Op]], logs: list[Log], message_s: float = 0.0) -> float:
+    """The idle share the logged operations' own times would give with messages that take
+    `message_s` each (instant by default): with none, what is left of `idle_share` once
+    communication is taken out, whose gap to `bubble_fraction` comes from the operations' times
+    alone (stages unequal, or slowed by the machine)."""
     seconds = {(log.rank, e.kind, e.micro): e.end - e.start for log in logs for e in log.events}
-    return 1.0 - sum(seconds.values()) / (len(plan) * replay(plan, seconds))
+    return 1.0 - sum(seconds.values()) / (len(plan) * replay(plan, seconds, message_s))
+
+
+def crossings(logs: list[Log]) -> list[float]:
+    """s from a message's producer finishing to its consumer starting, for every operation whose
+    rank was already waiting for that input when the producer finished (so the message, not the
+    consumer's own work, set when it began): an activation from rank r - 1's forward, a gradient
+    from rank r + 1's backward. What the send, the receive and the Python around them cost on
+    the critical path, one crossing at a time."""
+    ends = {(log.rank, e.kind, e.micro): e.end for log in logs for e in log.events}
+    found = []
+    for log in logs:
+        for e in log.events:
+            source = (log.rank - 1, "F", e.micro) if e.kind == "F" else (log.rank + 1, "B", e.micro)
+            if source in ends and e.start - e.waited <= ends[source]:
+                found.append(e.start - ends[source])
+    return found
+
+
+def between(logs: list[Log]) -> list[float]:
+    """s each rank spends between two of its operations besides waiting for an input: sending the
+    last result, posting receives, the bookkeeping of `execute`. Busy to the process, idle to the
+    stage's compute, so part of the measured bubble."""
+    return [b.start - a.end - b.waited for log in logs for a, b in zip(log.events, log.events[1:])]
 
 
 def timelines(logs: list[Log]) -> list[list[tuple[str, int, float, float]]]:

@@ -5,11 +5,13 @@
   steps with each schedule; its loss and its stage's gradients against one process's full batch;
 - `bubble_rank`: balanced stages (the same identical transformer blocks on every stage, no
   embedding or head), run with each schedule and micro-batch count, their logs for `idle_share`;
-- `measure_bubble`: runs `bubble_rank` and sets the measured idle share beside (p - 1) / (m + p - 1).
+- `measure_bubble`: runs `bubble_rank` and sets the measured idle share beside (p - 1) / (m + p - 1);
+- `sleep_rank`: stages that only sleep, for the cost of the messages alone (`pipeline.crossings`).
 """
 from __future__ import annotations
 
 import statistics
+import time
 
 import numpy as np
 import torch
@@ -134,6 +136,47 @@ def balanced_forward(model: TorchTransformer, first: bool, last: bool, shape: tu
     return forward
 
 
+class _Sleep(torch.autograd.Function):
+    """x -> x, sleeping `forward_s` on the way forward and `backward_s` on the way back: a stage
+    that takes a known time and leaves the cores free."""
+
+    @staticmethod
+    def forward(ctx, x, forward_s, backward_s):
+        ctx.backward_s = backward_s
+        time.sleep(forward_s)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.backward_s)
+        return grad, None, None
+
+
+def sleeping_forward(first: bool, last: bool, shape: tuple[int, ...], forward_s: float, backward_s: float):
+    """A stage's forward(micro, x) that only sleeps, forward_s one way and backward_s back: the
+    stages are equal to the microsecond, and no stage competes for a core, so what the bubble
+    shows beyond the formula is the messages' cost and the scheduling around them."""
+    start = torch.zeros(shape, requires_grad=True)
+
+    def forward(micro: int, x: torch.Tensor | None) -> torch.Tensor:
+        y = _Sleep.apply(start if first else x, forward_s, backward_s)
+        return y.sum() * 0.0 if last else y
+
+    return forward
+
+
+def sleep_rank(kinds: list[str], micro_counts: list[int], shape: tuple[int, ...], forward_s: float,
+               backward_s: float, repeats: int) -> dict:
+    """This rank's logs with stages that only sleep (`sleeping_forward`): {(kind, m): [Log per
+    repeat]}, after one untimed run of each schedule."""
+    rank, stages = dist.get_rank(), dist.get_world_size()
+    forward = sleeping_forward(rank == 0, rank == stages - 1, shape, forward_s, backward_s)
+    for kind in kinds:
+        pipeline.execute(pipeline.schedule(kind, stages, 1), forward, shape)
+    return {(kind, m): [pipeline.execute(pipeline.schedule(kind, stages, m), forward, shape)
+                        for _ in range(repeats)] for kind in kinds for m in micro_counts}
+
+
 def on_core_share(log: pipeline.Log) -> float:
     """The share of a rank's compute time its thread was on a core: CPU seconds over wall seconds.
     Well below 1 means the OS gave the core to something else (another program) mid-operation."""
@@ -215,3 +258,35 @@ def measure_bubble(stages: int = 2, micro_counts=(1, 2, 4, 8, 16), kinds=pipelin
                          "discarded": per_rank[0]["discarded"][(kind, m)],
                          "on_core": min(on_core_share(log) for logs in runs for log in logs)})
     return rows
+
+
+def message_cost(shapes: list[tuple[int, ...]], micro_batches: int = 16, kind: str = "1f1b",
+                 forward_s: float = 0.02, backward_s: float = 0.04, repeats: int = 3,
+                 timeout_s: float = 300) -> list[dict]:
+    """A 2-stage pipeline whose stages only sleep (`sleep_rank`), once per activation shape: what
+    the messages alone add to the bubble. Per shape, medians over the repeats: the formula's
+    bubble; the measured idle share; the idle share replayed from the logged operations with
+    instant messages, and with messages that take the median measured crossing
+    (`pipeline.crossings`); that crossing, in ms, and how many a run waited on; the time a rank
+    spends between two of its operations besides waiting (`pipeline.between`), in ms; the bytes
+    of one activation."""
+    from infra_lab.processes import run_on_ranks
+
+    rows = []
+    plan = pipeline.schedule(kind, 2, micro_batches)
+    for shape in shapes:
+        per_rank = run_on_ranks(sleep_rank, 2, [kind], [micro_batches], tuple(shape), forward_s, backward_s,
+                                repeats, timeout_s=timeout_s)
+        runs = [[result[(kind, micro_batches)][r] for result in per_rank] for r in range(repeats)]
+        crossing_s = statistics.median(x for logs in runs for x in pipeline.crossings(logs))
+        rows.append({"shape": tuple(shape), "bytes": 4 * int(np.prod(shape)),
+                     "formula": pipeline.bubble_fraction(2, micro_batches),
+                     "measured": statistics.median(pipeline.idle_share(logs) for logs in runs),
+                     "instant": statistics.median(pipeline.replayed_idle_share(plan, logs) for logs in runs),
+                     "with_messages": statistics.median(pipeline.replayed_idle_share(plan, logs, crossing_s)
+                                                        for logs in runs),
+                     "crossing_ms": 1e3 * crossing_s,
+                     "crossings": statistics.median(len(pipeline.crossings(logs)) for logs in runs),
+                     "between_ms": 1e3 * statistics.median(x for logs in runs for x in pipeline.between(logs))})
+    return rows
+
