@@ -26,6 +26,7 @@ SITE = Path(os.environ.get("INFRA_LAB_SITE") or ROOT / "_build" / "html").resolv
 SHORT = 12  # characters without spaces: a line shorter than this says nothing on its own
 RUN = 4  # this many answer lines in a row on the page are the answer's core
 SHARE = 0.5  # the share of the answer's lines that gives it away
+KEYWORD_LINE = re.compile(r"(def|class|import|from)\b|@")  # a signature, an import, a decorator
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
 
 
@@ -40,7 +41,7 @@ def code_lines(text: str) -> list[str]:
                 in_docstring = not in_docstring
             continue
         code = re.sub(r"\s+", "", stripped.split("#", 1)[0])
-        if len(code) < SHORT or code.startswith(("def", "class", "import", "from", "@")):
+        if len(code) < SHORT or KEYWORD_LINE.match(stripped):
             continue
         out.append(code)
     return out
@@ -128,6 +129,8 @@ def evict(cache, n_tokens):
 ''')
     # the def, the docstring, the comment, `freed = 0`, `return freed` drop out
     assert len(answer) == 11 and answer[0] == "ifn_tokens<0:"
+    assert code_lines("defaults = dict(a=1)\nfrom_cache = load(key)") == [
+        "defaults=dict(a=1)", "from_cache=load(key)"]  # names that begin like keywords stay
     copied = code_lines("x = 1\n" + "\n".join(answer) + "\nprint(  x  )")
     assert given_away(answer, copied)
     run_of_four = code_lines("leaves = [node for node in cache.nodes() if not node.children]\n"

@@ -2,6 +2,8 @@
 that run their operations in order as soon as their inputs arrive; the bubble formula; and, on 2
 gloo processes, the target model cut in two stages giving one process's loss and gradients with
 both schedules, the executor's logs, a rough measured bubble, and named errors."""
+import re
+
 import pytest
 import torch
 from _numerics import FP64_RELATIVE
@@ -95,6 +97,8 @@ def test_replay_charges_each_message_between_ranks_and_none_within_one():
     # F0 on rank 0, the activation, F0 and B0 on rank 1 (its own forward: no message), the
     # gradient, B0 on rank 0
     assert pipeline.replay(plan, seconds, message_s=0.25) == 6.5
+    with pytest.raises(ValueError, match="finite time >= 0 s; got message_s=-1"):
+        pipeline.replay(plan, seconds, message_s=-1)
 
 
 @given(kind=KINDS, stages=st.integers(2, 5), micro_batches=st.integers(1, 12),
@@ -251,4 +255,15 @@ def test_stages_that_only_sleep_measure_the_messages_alone():
     assert 0 < row["crossing_ms"] < 5 and 0 <= row["between_ms"] < 5 and row["crossings"] >= 1
     assert row["instant"] <= row["with_messages"] <= row["measured"] + 0.05
     assert row["formula"] - 0.02 <= row["instant"]
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (dict(repeats=0), "repeat count must be an integer >= 1; got 0"),
+    (dict(micro_batches=0), "micro-batch count must be an integer >= 1; got 0"),
+    (dict(kind="zigzag"), "unknown schedule 'zigzag'"),
+    (dict(forward_s=-0.01), "sleeps must be positive seconds; got -0.01"),
+])
+def test_message_cost_refuses_bad_input_before_starting_processes(arguments, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        pipeline_runs.message_cost([(1, 1, 8)], **arguments)
 

@@ -204,6 +204,8 @@ def replay(plan: list[list[Op]], seconds: dict[tuple[int, str, int], float], mes
     """The span of `plan` on ideal processes: each runs its operations in order, each as soon as its
     input is there, a message from another rank takes `message_s` (none by default), and operation
     (rank, kind, micro) takes seconds[...]."""
+    if not 0.0 <= message_s < float("inf"):
+        raise ValueError(f"a message takes a finite time >= 0 s; got message_s={message_s!r}")
     ends: dict[tuple[int, str, int], float] = {}
     free, position = [0.0] * len(plan), [0] * len(plan)
     while len(ends) < sum(map(len, plan)):

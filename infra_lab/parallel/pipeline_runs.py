@@ -272,8 +272,11 @@ def message_cost(shapes: list[tuple[int, ...]], micro_batches: int = 16, kind: s
     of one activation."""
     from infra_lab.processes import run_on_ranks
 
+    plan = pipeline.schedule(kind, 2, micro_batches)  # refuses a bad kind or count by name
+    pipeline._check_count(repeats, "repeat count")
+    if not (forward_s > 0 and backward_s > 0):
+        raise ValueError(f"a stage's sleeps must be positive seconds; got {forward_s!r} and {backward_s!r}")
     rows = []
-    plan = pipeline.schedule(kind, 2, micro_batches)
     for shape in shapes:
         per_rank = run_on_ranks(sleep_rank, 2, [kind], [micro_batches], tuple(shape), forward_s, backward_s,
                                 repeats, timeout_s=timeout_s)
