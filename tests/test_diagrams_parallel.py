@@ -4,19 +4,15 @@ are the values a real gloo reduce-scatter and all-gather returned and its byte c
 `comm.ByteCounter`'s, the pipeline's boxes are a real run's `pipeline.timelines` (and the ideal
 schedule's bubble is (p - 1) / (m + p - 1)), and the plan's bars are `plan.memory_per_gpu` and
 `plan.time_split` on axes fixed per shape. Texts keep 9 pt, stay on the page and never overlap."""
-import io
 import re
 
-import matplotlib
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings, strategies as st
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.text import Text
 
+from _figures import assert_legible
 from infra_lab import hardware
 from infra_lab.diagrams import parallel as diagrams
-from infra_lab.figures import MAX_WIDTH_IN, MIN_FONT_PT
 from infra_lab.parallel import memory, plan as cost
 from infra_lab.processes import run_on_ranks
 
@@ -40,50 +36,6 @@ def quantity(text: str) -> float:
     """'31.4 GB' -> 3.14e10; '540 ms' -> 0.54."""
     number, unit = re.fullmatch(r"↑? ?([\d.,]+) (\w+)", text.strip()).groups()
     return float(number.replace(",", "")) * UNITS[unit]
-
-
-def shown_texts(figure) -> list[Text]:
-    """Every text a reader sees: the figure's and each axes' texts, titles, axis labels, the tick
-    labels inside the limits and the legends' entries."""
-    found = list(figure.texts)
-    for ax in figure.axes:
-        for loc in ("left", "center", "right"):
-            title = ax.get_title(loc=loc)
-            if title:
-                found += figure.findobj(lambda a, t=title: isinstance(a, Text) and a.get_text() == t)
-        found += [ax.xaxis.label, ax.yaxis.label, *ax.texts] if ax.axison else list(ax.texts)
-        if ax.get_legend() is not None:
-            found += ax.get_legend().get_texts()
-        for axis, limits, index in ((ax.xaxis, ax.get_xlim(), 0), (ax.yaxis, ax.get_ylim(), 1)):
-            if not ax.axison:
-                continue
-            lo, hi = sorted(limits)
-            found += [t for t in axis.get_ticklabels() if lo - 1e-9 <= t.get_position()[index] <= hi + 1e-9]
-    unique = list({id(t): t for t in found}.values())
-    return [t for t in unique if t.get_visible() and t.get_text()]
-
-
-def assert_legible(figure):
-    """Every text at least 9 pt, on the page, clear of every other; a value written in a box (same
-    gid fields) stays inside it; the figure fits the page's width and renders as SVG."""
-    canvas = FigureCanvasAgg(figure)
-    canvas.draw()
-    renderer = canvas.get_renderer()
-    shown = shown_texts(figure)
-    extents = [Text.get_window_extent(t, renderer) for t in shown]
-    page = figure.bbox
-    for text, box in zip(shown, extents):
-        assert text.get_fontsize() >= MIN_FONT_PT, text
-        assert page.x0 - 0.5 <= box.x0 and box.x1 <= page.x1 + 0.5, text
-        assert page.y0 - 0.5 <= box.y0 and box.y1 <= page.y1 + 0.5, text
-    clashes = [(shown[i].get_text(), shown[j].get_text()) for i in range(len(shown))
-               for j in range(i + 1, len(shown)) if extents[i].overlaps(extents[j])]
-    assert not clashes
-    assert figure.get_figwidth() <= MAX_WIDTH_IN
-    svg = io.StringIO()
-    with matplotlib.rc_context({"svg.fonttype": "none"}):
-        figure.savefig(svg, format="svg")
-    return renderer, len(svg.getvalue().encode())
 
 
 def assert_inside(renderer, texts: dict, boxes: dict):

@@ -88,3 +88,20 @@ def test_checkpointing_saves_the_block_inputs_only(model, tokens):
 def test_compare_names_a_bad_repeat_count(model, tokens):
     with pytest.raises(ValueError, match="repeats must be >= 1; got 0"):
         checkpointing.compare(model, tokens, repeats=0)
+
+
+def test_the_trace_peaks_where_peak_live_bytes_does_and_shows_the_recomputation(model, tokens):
+    traces = {checkpoint: checkpointing.live_bytes_trace(model, tokens, checkpoint) for checkpoint in (False, True)}
+    results = checkpointing.compare(model, tokens, repeats=1)
+    for checkpoint, trace in traces.items():
+        assert max(trace.live_bytes) == results[checkpoint].peak_bytes
+        assert 0 < trace.backward_from < len(trace.live_bytes)
+        # at the end of the forward pass: what autograd saved, plus the loss and what backward is
+        # about to read, all created in the step
+        assert trace.live_bytes[trace.backward_from - 1] >= results[checkpoint].saved_bytes
+    plain, checkpointed = traces[False], traces[True]
+    assert checkpointed.backward_from == pytest.approx(plain.backward_from, rel=0.1)  # the same forward ops
+    assert len(checkpointed.live_bytes) - checkpointed.backward_from > \
+        len(plain.live_bytes) - plain.backward_from  # backward runs every block's forward again
+    assert checkpointed.live_bytes[checkpointed.backward_from - 1] < plain.live_bytes[plain.backward_from - 1] / 4
+    assert all(p.grad is None for p in model.parameters())

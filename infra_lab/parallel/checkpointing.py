@@ -6,8 +6,9 @@ Korthikanti et al. 2022, "Reducing activation recomputation in large transformer
 counts the bytes per layer and recomputes only the attention core).
 
 `forward` wraps each block in torch.utils.checkpoint; `saved_activation_bytes` counts what
-autograd keeps for the backward pass, `peak_live_bytes` the most tensor bytes alive at once, and
-`compare` sets both, and the time of a forward and backward pass, side by side.
+autograd keeps for the backward pass, `peak_live_bytes` the most tensor bytes alive at once, `live_bytes_trace` those bytes after every
+operation of a step (the curve chapter 10 draws), and `compare` sets the counts, and the time of a
+forward and backward pass, side by side.
 """
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ class _LiveBytes(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.alive: dict[StorageWeakRef, int] = {}  # storage -> bytes
-        self.peak = 0
+        self.trace: list[int] = []  # the bytes alive after each operation
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -75,7 +76,7 @@ class _LiveBytes(TorchDispatchMode):
                 storage = t.untyped_storage()
                 self.alive.setdefault(StorageWeakRef(storage), storage.nbytes())
         self.alive = {ref: size for ref, size in self.alive.items() if not ref.expired()}
-        self.peak = max(self.peak, sum(self.alive.values()))
+        self.trace.append(sum(self.alive.values()))
         return out
 
 
@@ -85,7 +86,32 @@ def peak_live_bytes(fn: Callable[[], object]) -> int:
     torch.cuda.max_memory_allocated would say on a GPU, less the allocator's rounding."""
     with _LiveBytes() as mode:
         fn()
-    return mode.peak
+    return max(mode.trace, default=0)
+
+
+class Trace(NamedTuple):
+    live_bytes: list[int]  # tensor bytes alive after each operation of a forward and backward pass
+    backward_from: int  # the index of the backward pass's first operation
+
+
+def _loss(model: TorchTransformer, tokens: torch.Tensor, checkpoint: bool) -> torch.Tensor:
+    """The mean cross-entropy of predicting each next token of tokens (B, T)."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B, T - 1) each
+    logits = forward(model, inputs, checkpoint)  # (B, T - 1, vocab)
+    return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def live_bytes_trace(model: TorchTransformer, tokens: torch.Tensor, checkpoint: bool) -> Trace:
+    """The bytes of tensors alive after each operation of one forward and backward pass on
+    tokens (B, T), with each block checkpointed or not; the gradients are cleared after."""
+    model.zero_grad(set_to_none=True)
+    with _LiveBytes() as mode:
+        loss = _loss(model, tokens, checkpoint)
+        backward_from = len(mode.trace)
+        loss.backward()
+        del loss
+    model.zero_grad(set_to_none=True)
+    return Trace(mode.trace, backward_from)
 
 
 class Comparison(NamedTuple):
@@ -100,11 +126,9 @@ def compare(model: TorchTransformer, tokens: torch.Tensor, repeats: int = 5) -> 
     untimed pass."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1; got {repeats!r}")
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B, T - 1) each
 
     def loss(checkpoint: bool) -> torch.Tensor:
-        logits = forward(model, inputs, checkpoint)  # (B, T - 1, vocab)
-        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return _loss(model, tokens, checkpoint)
 
     def step(checkpoint: bool) -> None:
         model.zero_grad(set_to_none=True)
