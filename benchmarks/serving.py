@@ -7,6 +7,10 @@ the numba backend on the CPU. Each section is one function and one bar:
   continuous policy runs with a budget of 576 tokens (64 decodes + the longest prompt); at the
   default 512 a long prompt waits at the head of the queue, and everything behind it, until
   enough running requests finish (reported beside, outside the bar);
+- weight_bound: the same comparison on a model whose decode step reads mostly weights
+  (model.wide: 245 MB, random weights), at the largest batch whose decode step this CPU's
+  roofline puts under the ridge; continuous must reach >= 2.5x static, next to the ceiling at
+  that batch;
 - chunked: long prompts arrive while a batch decodes (traffic.long_prompts_among_decodes, its
   arrivals set from the engine's measured step time); with chunked prefill the p99 time between
   tokens must be <= half of that without, for at most 10% less throughput;
@@ -51,8 +55,9 @@ from pathlib import Path
 
 import numpy as np
 
-from infra_lab import backend, hardware, model
+from infra_lab import backend, hardware, model, roofline
 from infra_lab.model import cost
+from infra_lab.model.wide import WIDE, wide_model
 from infra_lab.model.generate import generate
 from infra_lab.serving import metrics, simulator, steplog, traffic
 from infra_lab.serving.config import EngineConfig
@@ -70,7 +75,8 @@ STATIC_BLOCKS = MAX_BATCH * MAX_LEN // BLOCK  # 2048: a static batch of 64 worst
 @dataclass(frozen=True)
 class Sizes:
     throughput_requests: int  # ShareGPT-like requests, all at t = 0
-    rounds: int  # rounds of the throughput and chunked sections
+    wide_requests: int  # weight_bound: ShareGPT-like requests of up to WIDE_MAX_LEN tokens, all at t = 0
+    rounds: int  # rounds of the throughput, weight_bound and chunked sections
     n_decodes: int  # chunked: requests decoding while the long prompts arrive
     decode_output: int  # chunked: tokens each of them generates
     n_long: int  # chunked: long prompts
@@ -84,10 +90,10 @@ class Sizes:
     cuda_tokens: int  # cuda: tokens each request generates
 
 
-FULL = Sizes(throughput_requests=512, rounds=3, n_decodes=16, decode_output=384, n_long=12, overhead_tokens=64,
+FULL = Sizes(throughput_requests=512, wide_requests=64, rounds=3, n_decodes=16, decode_output=384, n_long=12, overhead_tokens=64,
              overhead_runs=3, rate_requests=256, overload_s=60.0, overload_queue=128, simulator_s=25.0,
              calibration_repeats=5, cuda_tokens=128)
-QUICK = Sizes(throughput_requests=80, rounds=1, n_decodes=8, decode_output=96, n_long=4, overhead_tokens=12,
+QUICK = Sizes(throughput_requests=80, wide_requests=16, rounds=1, n_decodes=8, decode_output=96, n_long=4, overhead_tokens=12,
               overhead_runs=1, rate_requests=80, overload_s=10.0, overload_queue=32, simulator_s=4.0,
               calibration_repeats=2, cuda_tokens=32)
 QUICK_CALIBRATION = (  # (new tokens, context) per sequence, as simulator.CALIBRATION_STEPS, fewer and smaller
@@ -233,6 +239,72 @@ def roofline_ratio(bench: Bench, workload) -> dict:
                     f"{MAX_BATCH} sequences reads their K and V ({kv / 1e6:.1f} MB) besides the weights "
                     f"({weights / 1e6:.1f} MB), so its cost grows with the batch and a static batch's "
                     "lone last members cost little"}
+
+
+# ---- 1b. a model whose decode step reads its weights ---------------------------------------------
+
+WIDE_MAX_LEN = 256  # prompt + output of the wide model's requests: its prefills cost 60x the target's
+
+
+def weight_bound(bench: Bench, rounds: int) -> dict:
+    """Static against continuous batching on the wide model, all requests at t = 0, in turns."""
+    wide = wide_model(bench.seed)
+    cpu = hardware.measure("cpu", progress=False)
+    context = WIDE_MAX_LEN // 3  # about the workload's mean context, prompt and half the output
+    batch = roofline.weight_bound_batch(WIDE, cpu, "fp32", context, MAX_BATCH)  # its step reads mostly weights
+    critical = roofline.critical_batch(WIDE, cpu, "fp32", context)
+    blocks = batch * WIDE_MAX_LEN // BLOCK  # a batch of worst cases fits
+    configs = {"static": EngineConfig(policy="static", max_batch=batch, num_blocks=blocks),
+               "continuous": EngineConfig(policy="continuous", max_batch=batch, num_blocks=blocks,
+                                          token_budget=batch + WIDE_MAX_LEN)}
+    workload = traffic.sharegpt_like(bench.sizes.wide_requests, math.inf, bench.seed, WIDE_MAX_LEN)
+    outputs = [r.max_tokens for r in workload]
+    Engine(wide, configs["static"], bench.numba).generate([b"def f(x):\n"], SamplingParams(max_tokens=2))
+    runs = {name: [] for name in configs}
+    order = np.random.default_rng(bench.seed)
+    for _ in range(rounds):
+        for name in order.permutation(list(configs)):
+            engine = Engine(wide, configs[name], bench.numba)
+            summary = metrics.summarize(engine.serve(workload), engine.log, batch)
+            runs[name].append(summary_figures(summary) | {
+                "decode_step_ms_by_batch": decode_step_ms_by_batch(engine.log, width=max(1, batch // 4))})
+    rates = {name: [r["throughput_tok_s"] for r in done] for name, done in runs.items()}
+    ratio = ratio_figures([c / s for c, s in zip(rates["continuous"], rates["static"])])
+    ideal = simulator.StepTimeModel.on(WIDE, cpu, "fp32")
+
+    def ideal_rates(requests) -> dict[str, float]:  # the simulator at the roofline, no overheads
+        rates = {}
+        for name, config in configs.items():
+            engine = simulator.simulated_engine(ideal, config)
+            rates[name] = metrics.summarize(engine.serve(requests), engine.log, batch).throughput_tok_s
+        return rates
+
+    at_roof = ideal_rates(workload)
+    longer = {}  # the same lengths' distribution over longer streams: the run's tail matters less
+    for n in (4 * len(workload), 16 * len(workload)):
+        stream = traffic.sharegpt_like(n, math.inf, bench.seed, WIDE_MAX_LEN)
+        long_rates = ideal_rates(stream)
+        longer[str(n)] = {"continuous_over_static": long_rates["continuous"] / long_rates["static"],
+                          "static_ceiling": traffic.static_ceiling([r.max_tokens for r in stream], batch)}
+    weights = cost.step_cost(WIDE, 1, 1, 0, "fp32").bytes - cost.kv_bytes_per_token(WIDE, "fp32")
+    mean_context = float(np.mean([len(r.prompt) + r.max_tokens / 2 for r in workload]))
+    return {
+        "bar": f"continuous >= 2.5x static's output tokens/s on the wide model (max_batch {batch}, all at t = 0)",
+        "passed": ratio["median"] >= 2.5, "requests": len(workload), "rounds": rounds, "max_batch": batch,
+        "critical_batch": critical, "cpu_flops_fp32": cpu.flops("fp32"), "cpu_bandwidth": cpu.memory_bandwidth,
+        "mean_prompt_tokens": float(np.mean([len(r.prompt) for r in workload])),
+        "mean_output_tokens": float(np.mean(outputs)), "static_ceiling": traffic.static_ceiling(outputs, batch),
+        "weight_bytes": weights, "mean_context_tokens": mean_context,
+        "kv_bytes_at_full_batch": batch * mean_context * cost.kv_bytes_per_token(WIDE, "fp32"),
+        "configs": {name: asdict(config) for name, config in configs.items()},
+        "tokens_per_s": {name: statistics.median(r) for name, r in rates.items()},
+        "slot_utilization": {name: statistics.median(r["slot_utilization"] for r in done)
+                             for name, done in runs.items()},
+        "over_static": ratio, "runs": runs,
+        "roofline_ideal": {"tokens_per_s": at_roof,
+                           "continuous_over_static": at_roof["continuous"] / at_roof["static"],
+                           "longer_streams": longer},
+    }
 
 
 # ---- 2. chunked prefill ---------------------------------------------------------------------------
@@ -592,7 +664,7 @@ def cuda(bench: Bench) -> dict:
 # ---- the run ---------------------------------------------------------------------------------------
 
 THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
-SECTIONS = ("throughput", "chunked", "overhead", "overload", "simulator", "exact", "cuda")
+SECTIONS = ("throughput", "weight_bound", "chunked", "overhead", "overload", "simulator", "exact", "cuda")
 
 
 def headline(name: str, figures: dict) -> str:
@@ -606,6 +678,9 @@ def headline(name: str, figures: dict) -> str:
                 f"(ceiling {figures['static_ceiling']:.2f}x; continuous at budget 512: "
                 f"{over['continuous_budget_512']['median']:.2f}x); slots {slots['static']:.0%} static, "
                 f"{slots['continuous']:.0%} continuous")
+    if name == "weight_bound":
+        return (f"continuous {figures['over_static']['median']:.2f}x static at max_batch {figures['max_batch']} "
+                f"(ceiling {figures['static_ceiling']:.2f}x, roofline {figures['roofline_ideal']['continuous_over_static']:.2f}x)")
     if name == "chunked":
         p99 = figures["tpot_p99_s"]
         return (f"p99 TPOT {1e3 * p99['chunked']:.1f} vs {1e3 * p99['continuous']:.1f} ms "
@@ -634,7 +709,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes for a smoke test (under 2 minutes)")
     parser.add_argument("--only", action="append", choices=SECTIONS, help="run this section (repeatable)")
-    parser.add_argument("--rounds", type=int, help="rounds of the throughput and chunked sections")
+    parser.add_argument("--rounds", type=int, help="rounds of the throughput, weight_bound and chunked sections")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--blas-threads", type=int, help="limit numpy's BLAS to this many threads (default: as is); "
                         "the model's matmuls are small, and its threads can fight numba's on a busy machine")
@@ -655,7 +730,8 @@ def main() -> None:
     print(backend.describe(), flush=True)
     began, load_before = time.perf_counter(), os.getloadavg()[0]
     bench = Bench(sizes, args.seed)
-    runs = {"throughput": lambda: throughput(bench, rounds), "chunked": lambda: chunked(bench, rounds),
+    runs = {"throughput": lambda: throughput(bench, rounds), "weight_bound": lambda: weight_bound(bench, rounds),
+            "chunked": lambda: chunked(bench, rounds),
             "overhead": lambda: overhead(bench), "overload": lambda: overload(bench),
             "simulator": lambda: simulator_section(bench, args.quick), "exact": lambda: exact(bench),
             "cuda": lambda: cuda(bench)}
@@ -681,6 +757,10 @@ def main() -> None:
             figures["sections"] = {name: (sections | kept)[name] for name in SECTIONS if name in sections | kept}
             origin = earlier.get("kept_from_earlier", {})  # a section kept twice names the run that measured it
             figures["kept_from_earlier"] = {name: origin.get(name) or earlier.get("command") for name in kept}
+            # where and when each kept section ran: this run's machine and date may be others
+            figures["kept_runs"] = {name: earlier.get("kept_runs", {}).get(name) or
+                                    {"machine": earlier["machine"], "measured_on": earlier["measured_on"],
+                                     "command": figures["kept_from_earlier"][name]} for name in kept}
         figures["bars_passed"] = {name: s.get("passed") for name, s in figures["sections"].items()}
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(figures, indent=1) + "\n")

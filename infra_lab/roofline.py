@@ -144,6 +144,20 @@ def critical_batch(config: ModelConfig, device: Device, dtype: str,
     return high
 
 
+def weight_bound_batch(config: ModelConfig, device: Device, dtype: str, context: int = 0,
+                       largest: int = 64) -> int:
+    """The largest power of two, 2 to `largest`, below `critical_batch`: a batch whose decode
+    step on `device` is still bound by reading the weights, so that it costs about what one
+    sequence's step costs (2 when even that is compute-bound)."""
+    if isinstance(largest, bool) or not isinstance(largest, int) or largest < 2:
+        raise ValueError(f"largest must be an integer >= 2; got {largest!r}")
+    ceiling = min(critical_batch(config, device, dtype, context, largest), largest + 1)
+    batch = 2
+    while batch * 2 < ceiling:
+        batch *= 2
+    return batch
+
+
 # ---- the picture -----------------------------------------------------------------------
 
 @dataclass(frozen=True)

@@ -166,6 +166,27 @@ def test_long_contexts_can_keep_decode_memory_bound_at_any_batch():
     assert roofline.critical_batch(roofline.preset("llama-2-7b"), H100, "bf16", context=32768) == math.inf
 
 
+@settings(max_examples=60)
+@given(st.floats(1e10, 1e13), st.floats(1e9, 1e12), st.integers(0, 4096), st.sampled_from([2, 3, 16, 64, 100]))
+def test_weight_bound_batch_is_the_largest_power_of_two_below_the_ridge(flops, bandwidth, context, largest):
+    device = hardware.Device("cpu", {"fp32": flops}, bandwidth, 0, "t")
+    config = roofline.preset("llama-3-8b")
+    batch = roofline.weight_bound_batch(config, device, "fp32", context, largest)
+    ridge = roofline.ridge_point(device, "fp32")
+
+    def compute_bound(b):
+        return roofline.step_cost(config, b, 1, context, "fp32").intensity >= ridge
+
+    assert batch & (batch - 1) == 0 and 2 <= batch <= largest
+    assert batch == 2 or not compute_bound(batch)
+    assert 2 * batch > largest or compute_bound(2 * batch)  # brute force: the next power of two is not
+
+
+def test_weight_bound_batch_names_a_bad_limit():
+    with pytest.raises(ValueError, match="largest must be an integer >= 2; got 1"):
+        roofline.weight_bound_batch(roofline.LLAMA_3_8B, H100, "bf16", 0, 1)
+
+
 def test_unknown_dtype_is_named():
     with pytest.raises(ValueError, match="unknown dtype 'fp7'"):
         roofline.step_cost(roofline.LLAMA_3_8B, 1, 1, 0, "fp7")
