@@ -1,6 +1,8 @@
 """Chapter 09's diagrams draw what the objects hold: read back from the drawn boxes by their gids,
 the routing grid is the routing (choices, ranks, drops and loads), the permutation's arrows are
-slot_of, and the all-to-all's segments are the send counts, each landing where it is received."""
+slot_of, and the all-to-all's segments are the send counts, each landing where it is received. The
+balancing figure's columns are the loads the package routes with no balancing, with the Switch
+loss's offset, with update_bias's bias and under EPLB's placement; its ratios are theirs."""
 import matplotlib
 
 matplotlib.use("Agg")
@@ -10,7 +12,8 @@ import pytest  # noqa: E402
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
 from infra_lab.diagrams import moe as moe_diagrams  # noqa: E402
-from infra_lab.moe import dispatch, routing  # noqa: E402
+from infra_lab.moe import dispatch, placement, routing  # noqa: E402
+from infra_lab.moe import torch_moe  # noqa: E402, F401  (balance's aux loss: torch loads at collection, once)
 
 
 def gids(figure, prefix: str) -> list[list[str]]:
@@ -89,3 +92,79 @@ def test_what_cannot_be_drawn_is_named():
         moe_diagrams.draw_permutation(dispatch.plan(a_routing(0, 30, 8, 2, None), 8))
     with pytest.raises(ValueError, match="square"):
         moe_diagrams.draw_all_to_all(np.ones((2, 3)), 4)
+
+
+def a_balancing(seed: int, n_experts: int, k: int, steps: int = 5):
+    """Router logits with a preference per expert, as a trained router has: fitting and shown tokens."""
+    rng = np.random.default_rng(seed)
+    preference = rng.standard_normal(n_experts) * 1.5
+    fit, shown = (preference + rng.standard_normal((tokens, n_experts)) for tokens in (192, 160))
+    return moe_diagrams.balance(fit, shown, k, steps=steps), fit.astype(np.float32), shown.astype(np.float32)
+
+
+def text_boxes(figure) -> list:
+    figure.canvas.draw()
+    renderer = figure.canvas.get_renderer()
+    texts = [t for ax in figure.axes for t in list(ax.texts) + [ax.title] if t.get_text()]
+    return [(t.get_text(), t.get_fontsize(), t.get_window_extent(renderer)) for t in texts]
+
+
+@settings(max_examples=3, deadline=None)
+@given(seed=st.integers(0, 1000), n_experts=st.sampled_from([4, 8]), k=st.integers(1, 2))
+def test_the_balancing_panels_are_the_packages_loads(seed, n_experts, k):
+    balanced, fit, shown = a_balancing(seed, n_experts, k)
+    bias = np.zeros(n_experts, np.float32)  # the bias is `steps` calls of update_bias on the fitting tokens
+    for _ in range(balanced.steps):
+        chosen = routing.route(fit, k, bias=bias)
+        bias = routing.update_bias(bias, routing.expert_loads(chosen.experts, chosen.kept, n_experts), 0.005)
+    np.testing.assert_array_equal(balanced.bias, bias)
+    routed = {"none": routing.route(shown, k), "aux": routing.route(shown + balanced.offset, k),
+              "bias": routing.route(shown, k, bias=bias)}
+    assert balanced.aux_loss[0] == pytest.approx(routing.switch_aux_loss(routed["none"].probs, routed["none"].experts))
+    figure = moe_diagrams.draw_balancing(balanced, gpus=2, replicas=n_experts + 2)
+    boxes = {p.get_gid(): p for ax in figure.axes for p in ax.patches if p.get_gid()}
+    lines = {ln.get_gid(): ln for ax in figure.axes for ln in ax.lines if ln.get_gid()}
+    texts = {t.get_gid(): t.get_text() for ax in figure.axes for t in ax.texts if t.get_gid()}
+    for method, chosen in routed.items():
+        loads = routing.expert_loads(chosen.experts, chosen.kept, n_experts)
+        for e in range(n_experts):
+            assert boxes[f"load:{method}:{e}:{loads[e]}"].get_height() == pytest.approx(loads[e] / loads.mean())
+        assert texts[f"ratio:{method}"] == f"max/mean {loads.max() / loads.mean():.2f}"
+        np.testing.assert_allclose(lines[f"probability:{method}"].get_ydata(), chosen.probs.mean(0) * n_experts,
+                                   rtol=1e-6)
+    # the bias moves only the choice: its probabilities are the unbalanced router's
+    np.testing.assert_array_equal(lines["probability:bias"].get_ydata(), lines["probability:none"].get_ydata())
+    unbalanced = routing.expert_loads(routed["none"].experts, routed["none"].kept, n_experts)[None]
+    unbalanced_fit = routing.route(fit, k)
+    placed = placement.place(routing.expert_loads(unbalanced_fit.experts, unbalanced_fit.kept, n_experts)[None],
+                             n_experts + 2, gpus=2)
+    eplb, plain = placement.gpu_loads(unbalanced, placed, 2)[0], placement.contiguous_loads(unbalanced, 2)[0]
+    for g in range(2):
+        stacked = sum(p.get_height() for gid, p in boxes.items() if gid.startswith(f"replica:{g}:"))
+        assert stacked == pytest.approx(eplb[g] / eplb.mean())
+        assert boxes[f"plain:{g}:{plain[g]:g}"].get_height() == pytest.approx(plain[g] / plain.mean())
+    assert texts["ratio:eplb"] == f"max/mean {eplb.max() / eplb.mean():.2f}; plain {plain.max() / plain.mean():.2f}"
+    shown_texts = text_boxes(figure)
+    assert min(size for _, size, _ in shown_texts) >= 9
+    assert not [(a, b) for i, (a, _, x) in enumerate(shown_texts) for b, _, y in shown_texts[i + 1:] if x.overlaps(y)]
+    plt.close(figure)
+
+
+def test_what_cannot_be_balanced_or_drawn_is_named():
+    rng = np.random.default_rng(0)
+    with pytest.raises(ValueError, match="same experts"):
+        moe_diagrams.balance(rng.standard_normal((32, 8)), rng.standard_normal((32, 4)), 2)
+    with pytest.raises(ValueError, match="steps must be an integer >= 1; got 0"):
+        moe_diagrams.balance(rng.standard_normal((32, 8)), rng.standard_normal((32, 8)), 2, steps=0)
+    with pytest.raises(ValueError, match="rate must be a number >= 0; got -0.1"):
+        moe_diagrams.balance(rng.standard_normal((32, 8)), rng.standard_normal((32, 8)), 2, rate=-0.1)
+    with pytest.raises(ValueError, match="experts per token k"):
+        moe_diagrams.balance(rng.standard_normal((32, 8)), rng.standard_normal((32, 8)), 9)
+    wide = moe_diagrams.balance(rng.standard_normal((32, 17)), rng.standard_normal((32, 17)), 2, steps=1)
+    with pytest.raises(ValueError, match="at most 16 experts; got 17"):
+        moe_diagrams.draw_balancing(wide)
+    balanced, _, _ = a_balancing(0, 8, 2, steps=1)
+    with pytest.raises(ValueError, match="3 GPUs must divide the 10 replicas"):
+        moe_diagrams.draw_balancing(balanced, gpus=3, replicas=10)
+    with pytest.raises(ValueError, match="gpus must be an integer >= 1; got 0"):
+        moe_diagrams.draw_balancing(balanced, gpus=0)

@@ -107,6 +107,18 @@ def test_cells_that_format_their_output_hide_their_input(root):
                 assert "remove-input" in tags, (path, cell.source[:80])
 
 
+def test_setup_and_explorer_plumbing_is_folded_on_the_page(root):
+    """A reader sees the setup cell's output (where it ran) and the explorer, with the code that
+    installs the package or wires the widgets folded under "Show code"."""
+    for path in sorted((root / "book").glob("ch*.ipynb")):
+        cells = notebooks.read(path).cells
+        plumbing = [book.first_code_cell(notebooks.read(path))] + [
+            c for c in cells if c.cell_type == "code" and "import ipywidgets" in c.source]
+        for cell in plumbing:
+            tags = cell.metadata.get("tags", [])
+            assert "hide-input" in tags or "remove-input" in tags, (path.name, cell.source[:60])
+
+
 def test_the_markdown_rule_sees_what_a_reader_sees():
     assert ends_in_markdown("x = 1\nMarkdown(f'{x}')")
     assert ends_in_markdown("display(Markdown('a'))")
