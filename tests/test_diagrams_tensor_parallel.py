@@ -30,6 +30,7 @@ def cells(figure, prefix: str) -> dict[tuple[int, int], tuple]:
     return found
 
 
+@pytest.mark.numerics
 @settings(max_examples=30)
 @given(st.integers(1, 5), st.integers(1, 6), st.sampled_from([1, 2, 3, 4]), st.integers(1, 3),
        st.integers(0, 100))
