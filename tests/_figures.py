@@ -10,8 +10,9 @@ from infra_lab.figures import MAX_WIDTH_IN, MIN_FONT_PT
 
 
 def shown_texts(figure) -> list[Text]:
-    """Every text a reader sees: the figure's and each axes' texts, titles, axis labels, the tick
-    labels inside the limits and the legends' entries."""
+    """Every text a reader sees: the figure's and each axes' texts, titles, axis labels, the major
+    and minor tick labels inside the limits (matplotlib keeps, but does not draw, those beyond)
+    and the legends' entries."""
     found = list(figure.texts)
     for ax in figure.axes:
         for loc in ("left", "center", "right"):
@@ -25,7 +26,9 @@ def shown_texts(figure) -> list[Text]:
             if not ax.axison:
                 continue
             lo, hi = sorted(limits)
-            found += [t for t in axis.get_ticklabels() if lo - 1e-9 <= t.get_position()[index] <= hi + 1e-9]
+            slack = 1e-9 * max(hi - lo, 1.0)
+            found += [t for t in axis.get_ticklabels() + axis.get_ticklabels(minor=True)
+                      if lo - slack <= t.get_position()[index] <= hi + slack]
     unique = list({id(t): t for t in found}.values())
     return [t for t in unique if t.get_visible() and t.get_text()]
 

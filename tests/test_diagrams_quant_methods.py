@@ -6,11 +6,9 @@ page and clear of the others; what cannot be drawn is refused by name."""
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.text import Text
 
+from _figures import assert_legible as shared_assert_legible, shown_texts
 from infra_lab.diagrams import quant_methods as diagram
-from infra_lab.figures import MAX_WIDTH_IN, MIN_FONT_PT
 from infra_lab.quant import awq, formats, gptq, smoothquant
 from infra_lab.quant.matmul import QuantizedMatrix
 
@@ -32,42 +30,11 @@ def by_gid(figure, prefix):
     return [a for ax in figure.axes for a in ax.get_children() if (a.get_gid() or "").startswith(prefix)]
 
 
-def drawn_texts(figure) -> list[Text]:
-    """The texts a reader sees: titles, labels, legends, texts, and the tick labels inside each
-    axis's view (matplotlib keeps, but does not draw, the ticks beyond it)."""
-    found = [figure._suptitle] + list(figure.texts)
-    for ax in figure.axes:
-        found += [ax.title, ax._left_title, ax._right_title, ax.xaxis.label, ax.yaxis.label] + list(ax.texts)
-        if ax.get_legend():
-            found += ax.get_legend().get_texts()
-        for axis in (ax.xaxis, ax.yaxis):
-            low, high = sorted(axis.get_view_interval())
-            slack = 1e-9 * (high - low)
-            found += [label for tick in axis.get_major_ticks() + axis.get_minor_ticks()
-                      if low - slack <= tick.get_loc() <= high + slack for label in (tick.label1, tick.label2)]
-    unique = {id(t): t for t in found if t is not None}.values()  # figure.texts holds the suptitle too
-    return [t for t in unique if t.get_visible() and t.get_text().strip()]
-
-
 def assert_legible(figure):
-    """A title; every text at least 9 pt, on the page, and clear of every other text."""
-    canvas = FigureCanvasAgg(figure)
-    canvas.draw()
-    renderer = canvas.get_renderer()
-    shown = drawn_texts(figure)
+    """A title, and the shared checks: every text at least 9 pt, on the page, clear of the others."""
     assert figure.get_suptitle()
-    assert figure.get_figwidth() <= MAX_WIDTH_IN
-    extents = [t.get_window_extent(renderer) for t in shown]
-    page = figure.bbox
-    for text, box in zip(shown, extents):
-        assert text.get_fontsize() >= MIN_FONT_PT, text
-        assert page.x0 - 0.5 <= box.x0 and box.x1 <= page.x1 + 0.5, text
-        assert page.y0 - 0.5 <= box.y0 and box.y1 <= page.y1 + 0.5, text
-    clashes = [(shown[i].get_text(), shown[j].get_text()) for i in range(len(shown))
-               for j in range(i + 1, len(shown)) if extents[i].overlaps(extents[j])]
-    assert not clashes
-    assert len(shown) > 10  # titles, labels and ticks were found
-    return shown
+    shared_assert_legible(figure)
+    assert len(shown_texts(figure)) > 10  # titles, labels and ticks were found
 
 
 # ---- GPTQ ----------------------------------------------------------------------------------------
