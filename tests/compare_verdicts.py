@@ -2,16 +2,16 @@
 
 Every verdict on a page comes from `infra_lab.verdict` and a committed benchmark run, so two
 builds on one machine must agree on each claim, whatever their live runs measured. This reads
-each build's executed chapters (`<build>/jupyter_execute/book/*.ipynb`, what `make book` kept),
-collects every "**Verdict: ….** <claim>" paragraph by chapter and claim, and prints one line
-per claim with the verdict of each build; the exit status is 1 when any claim differs or is
-missing from a build.
+each build's executed chapters from its jupyter-cache (`<build>/.jupyter_cache`, what the pages
+are rendered from; the copies in jupyter_execute/ keep no outputs when a chapter came from the
+cache), the newest run of each, collects every "**Verdict: ….** <claim>" paragraph by chapter
+and claim, and prints one line per claim with the verdict of each build; the exit status is 1
+when any claim differs or is missing from a build.
 
     .venv/bin/python tests/compare_verdicts.py _build /tmp/another-clone/_build
 """
 from __future__ import annotations
 
-import json
 import re
 import sys
 from pathlib import Path
@@ -22,19 +22,28 @@ VERDICT = re.compile(r"\*\*Verdict: (holds|does not hold|inconclusive here)\.\*\
 
 def verdicts(build: Path) -> dict[tuple[str, str], str]:
     """(chapter, claim sentence) -> verdict, over a build's executed chapters."""
+    from jupyter_cache import get_cache
+
+    if not (build / ".jupyter_cache").is_dir():
+        raise SystemExit(f"error: {build}: no .jupyter_cache (run `make book`)")
+    cache = get_cache(build / ".jupyter_cache")
+    newest = {}  # chapter -> its newest cache record
+    for record in cache.list_cache_records():
+        path = Path(record.uri)
+        if path.parent.name == "book" and (path.stem not in newest
+                                           or record.created > newest[path.stem].created):
+            newest[path.stem] = record
+    if not newest:
+        raise SystemExit(f"error: {build}: no executed chapters in its cache (run `make book`)")
     found: dict[tuple[str, str], str] = {}
-    chapters = sorted((build / "jupyter_execute" / "book").glob("*.ipynb"))
-    if not chapters:
-        raise SystemExit(f"error: {build}: no executed chapters in jupyter_execute/book (run `make book`)")
-    for path in chapters:
-        notebook = json.loads(path.read_text(encoding="utf-8"))
-        for cell in notebook["cells"]:
+    for chapter, record in sorted(newest.items()):
+        for cell in cache.get_cache_bundle(record.pk).nb.cells:
             for output in cell.get("outputs", []):
                 data = output.get("data", {})
                 text = data.get("text/markdown") or output.get("text") or ""
                 text = "".join(text) if isinstance(text, list) else text
                 for said, claim in VERDICT.findall(text):
-                    found[(path.stem, " ".join(claim.split()))] = said
+                    found[(chapter, " ".join(claim.split()))] = said
     return found
 
 

@@ -31,6 +31,15 @@ def root() -> Path:
     return ROOT
 
 
+# The torch pass of the notebooks (test_notebooks_on_torch, test_grade_chapters' solutions): the
+# Colab path on torch's CPU build, at quick sizes, one thread per kernel. The pass proves that
+# cells run, and beside the other worker's processes two threads each oversubscribe two cores (a
+# run of chapter 07 once took 308 s for its 10 s alone).
+ON_TORCH = {"INFRA_LAB_BACKEND": "torch", "INFRA_LAB_QUICK": "1", "MPLBACKEND": "Agg",
+            **{threads: "1" for threads in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS",
+                                            "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}}
+
+
 
 # ---- the engine (chapter 05) ---------------------------------------------------------------------
 

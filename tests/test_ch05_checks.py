@@ -1,6 +1,6 @@
 """Chapter 05's checks: plausible wrong answers fail and say where, the last check's cases
-preempt, and its reference gives each request its tokens alone (what nbval's run of
-solutions/ holds: an independent answer passes every check)."""
+preempt, and its reference gives each request its tokens alone (what grading
+solutions/ whole holds: an independent answer passes every check)."""
 import zlib
 from collections import deque
 

@@ -118,7 +118,7 @@ def _own_balance_step(biases, experts_per_layer, n_experts, rate):  # a reader's
             for b, e in zip(biases, experts_per_layer)]
 
 
-SHORT_STEPS = 10  # the check trains TRAIN_STEPS (120); nbval's run of solutions/ holds that bar
+SHORT_STEPS = 10  # the check trains TRAIN_STEPS (120); grading solutions/ whole holds that bar
 
 
 @pytest.mark.slow
@@ -126,7 +126,8 @@ def test_the_last_checks_training_balances_the_reset_moe_within_a_few_steps():
     """The check's training for a few steps: the reset biases let the loads drift past the bar,
     and a correct bias step pulls every layer back (on this machine 10 steps take the worst
     layer from 1.54x to 1.34x the mean) without hurting bits per byte. The full TRAIN_STEPS and
-    the BALANCE_BAR run in solutions/ch09_moe.ipynb under nbval, with an independent answer."""
+    the BALANCE_BAR run when solutions/ch09_moe.ipynb is graded whole (test_grade_chapters.py),
+    with an independent answer."""
     trained = ch09.fine_tune(top_k_gating, _own_balance_step, steps=SHORT_STEPS)
     assert max(trained["before"]) > ch09.BALANCE_BAR
     for layer, (before, after) in enumerate(zip(trained["before"], trained["after"])):

@@ -15,9 +15,10 @@ def line(capsys, name, candidate):
 
 def test_every_check_is_passed_by_an_independent_solution_under_nbval(root):
     """Each check's reference passing its own cases would compare the package with itself. What
-    holds a check's cases instead: nbval runs solutions/ (`make test`), where every check cell
-    keeps "PASS name 24/24" as its expected output, for a solution written apart from the
-    package (its exercise cells import nothing from infra_lab.grading)."""
+    holds a check's cases instead: every chapter graded whole gives solutions/ 24/24 on every
+    check (test_grade_chapters.py), and every check cell keeps "PASS name 24/24" as its expected
+    output for the learner's nbval (test_learner_nbval.py), for a solution written apart from
+    the package (its exercise cells import nothing from infra_lab.grading)."""
     from infra_lab.grading import notebooks
 
     expected = {}

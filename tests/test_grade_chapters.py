@@ -1,10 +1,16 @@
 """Every chapter graded whole, as an instructor grades a class: the solutions score full marks and
 the fresh exercises zero. No limit here is tight (they are not what is tested), so these run in
-`make test`'s main pass beside other tests rather than alone with test_grader.py's timed ones."""
+`make test`'s main pass beside other tests rather than alone with test_grader.py's timed ones.
+
+The solutions are graded on the torch backend at quick sizes (the Colab path a learner takes;
+the checks themselves run at their own sizes), the exercises on the default backend: so every
+solution cell runs on torch once, and every check's 24/24 holds on it, without a third run of
+the solutions beside the torch pass of the chapters (test_notebooks_on_torch.py)."""
 from pathlib import Path
 
 import pytest
 
+from conftest import ON_TORCH
 from infra_lab.grading import grade, notebooks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,11 +26,14 @@ def scores(rows):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("chapter", CHAPTERS)
-def test_every_chapter_grades_solutions_full_and_fresh_exercises_zero(chapter):
+def test_every_chapter_grades_solutions_full_and_fresh_exercises_zero(chapter, monkeypatch):
     assignment = notebooks.read(ROOT / "exercises" / chapter)
     names = list(notebooks.exercises(assignment))
     assert len(names) >= 2
-    full = scores(grade.grade_one(assignment, ROOT / "solutions" / chapter, WHOLE_CHAPTER))
+    with monkeypatch.context() as on_torch:  # the grader's process inherits the environment
+        for name, value in ON_TORCH.items():
+            on_torch.setenv(name, value)
+        full = scores(grade.grade_one(assignment, ROOT / "solutions" / chapter, WHOLE_CHAPTER))
     assert full == {name: ("ok", 24, 1.0) for name in names}
     zero = scores(grade.grade_one(assignment, ROOT / "exercises" / chapter, WHOLE_CHAPTER))
     assert zero == {name: ("ok", 0, 0.0) for name in names}

@@ -1,6 +1,7 @@
 """The grader on whole notebooks: full marks, zero, tampering, crashes, hangs and floods. These
-time their limits, so `make test` runs them alone, after the rest; every chapter graded whole is
-in test_grade_chapters.py."""
+time their limits, so `make test` runs them apart from the rest, after it, two at a time (most of
+their time is spent waiting out those limits); every chapter graded whole is in
+test_grade_chapters.py."""
 import csv
 import subprocess
 import sys

@@ -1,7 +1,8 @@
-"""Every chapter and solution notebook also runs with INFRA_LAB_BACKEND=torch: the path a
-Colab GPU takes, here on torch's CPU build. The book build has run each chapter at full size on
-numba already (the page); this run proves that the torch face of every cell works, so it runs
-at quick sizes (INFRA_LAB_QUICK=1, infra_lab.sizes), and its first line says so."""
+"""Every chapter notebook also runs with INFRA_LAB_BACKEND=torch: the path a Colab GPU takes,
+here on torch's CPU build. The book build has run each chapter at full size on numba already
+(the page); this run proves that the torch face of every cell works, so it runs at quick sizes
+(INFRA_LAB_QUICK=1, infra_lab.sizes), and its first line says so. The solution notebooks take
+the same path when test_grade_chapters.py grades them (torch, quick sizes, full marks)."""
 import datetime
 import json
 import math
@@ -12,6 +13,7 @@ from queue import Empty
 
 import nbformat
 import pytest
+from conftest import ON_TORCH
 from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -19,22 +21,15 @@ SLOW_S = 60  # a step over this is reported: at quick sizes only ch09's balancin
 SLICE_S = 1.0  # the client looks at its sockets at least this often (see PatientClient)
 # each notebook's seconds (the whole run, the kernel's start and stop, each code cell) land here
 TIMES = ROOT / "_build" / "torch_pass"
-NOTEBOOKS = sorted(p.relative_to(ROOT).as_posix() for folder in ("book", "solutions")
-                   for p in (ROOT / folder).glob("*.ipynb"))
+NOTEBOOKS = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "book").glob("*.ipynb"))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("relative", NOTEBOOKS)
 def test_notebook_runs_on_the_torch_backend(relative, monkeypatch):
     pytest.importorskip("torch")
-    monkeypatch.setenv("INFRA_LAB_BACKEND", "torch")
-    monkeypatch.setenv("INFRA_LAB_QUICK", "1")
-    # One thread per kernel: this pass proves that cells run, and beside the other worker's
-    # processes two threads each oversubscribe two cores (a run of chapter 07 once took 308 s
-    # for its 10 s alone)
-    for threads in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-        monkeypatch.setenv(threads, "1")
-    monkeypatch.setenv("MPLBACKEND", "Agg")
+    for name, value in ON_TORCH.items():
+        monkeypatch.setenv(name, value)
     notebook = nbformat.read(ROOT / relative, as_version=4)
     steps = Steps()
     client = PatientClient(notebook, timeout=300, kernel_name="python3",

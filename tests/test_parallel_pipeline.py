@@ -254,7 +254,10 @@ def test_stages_that_only_sleep_measure_the_messages_alone():
     assert row["bytes"] == 2 * 4 * 8 * 4 and row["formula"] == pytest.approx(0.2)
     assert 0 < row["crossing_ms"] < 5 and 0 <= row["between_ms"] < 5 and row["crossings"] >= 1
     assert row["instant"] <= row["with_messages"] <= row["measured"] + 0.05
-    assert row["formula"] - 0.02 <= row["instant"]
+    # the replay takes each operation's logged time; on a busy machine (the other test worker) a
+    # 5 ms sleep overshoots by a millisecond or more, unevenly, which moves the replayed bubble
+    # either way: 0.176 against the formula's 0.2 once in `make test`. The neighbour's 0.05 holds.
+    assert row["formula"] - 0.05 <= row["instant"]
 
 
 @pytest.mark.parametrize("arguments, message", [

@@ -1,0 +1,109 @@
+"""Execute the book's notebooks several at a time before Sphinx reads them.
+
+myst-nb executes a notebook when Sphinx reads it, one after another, and most cells use one
+core: a build of the whole book on a 2-core machine keeps one core idle for most of its seven
+minutes. With INFRA_LAB_BOOK_JOBS=N (N > 1), this extension executes, on Sphinx's
+`env-before-read-docs`, every notebook about to be read that has no match in the jupyter-cache,
+N at a time, and caches each one as myst-nb's cache mode would (same hash, same bundle); myst-nb
+then finds it in the cache. A notebook that fails here is not cached: myst-nb runs it again and
+fails the build with its traceback.
+
+The default is 1, so `make book` takes every live timing on a page with the machine to itself;
+`make test` builds with 2, since the tests need pages that build, not undisturbed timings.
+Before a pool starts, this machine's hardware probe (infra_lab.hardware.measure, cached per
+machine for every later run) runs alone, so a probe taken beside another notebook never lands
+in that cache.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+
+import nbformat
+from jupyter_cache import get_cache
+from jupyter_cache.base import CacheBundleIn
+from jupyter_cache.executors.utils import single_nb_execution
+from sphinx.util import logging
+
+logger = logging.getLogger(__name__)
+ENVIRONMENT = "INFRA_LAB_BOOK_JOBS"
+THREADS = ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+PROBE = "from infra_lab import hardware; hardware.measure('cpu', progress=False)"
+
+
+def jobs() -> int:
+    """Notebooks executed at once: INFRA_LAB_BOOK_JOBS, a whole number of at least 1 (default 1)."""
+    value = os.environ.get(ENVIRONMENT, "").strip() or "1"
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{ENVIRONMENT}={value!r}: allowed is a whole number of at least 1 "
+                         "(notebooks executed at once; 1 executes them one after another)")
+    return int(value)
+
+
+def execute_ahead(app, env, docnames) -> None:
+    n_jobs = jobs()
+    if n_jobs < 2 or app.config.nb_execution_mode != "cache":
+        return
+    cache = get_cache(app.config.nb_execution_cache_path or ".jupyter_cache")
+    waiting = []  # (path, notebook): to be read, and not in the cache
+    for docname in sorted(docnames):
+        path = Path(env.doc2path(docname))
+        if path.suffix != ".ipynb":
+            continue
+        notebook = nbformat.read(path, as_version=4)
+        if notebook.metadata.get("mystnb", {}).get("execution_mode", "cache") != "cache":
+            continue  # myst-nb executes it as its own metadata says (intro: force)
+        try:
+            cache.match_cache_notebook(notebook)
+        except KeyError:
+            waiting.append((path, notebook))
+    if len(waiting) < 2:
+        return
+    subprocess.run([sys.executable, "-c", PROBE], check=False)  # alone, before the pool
+    logger.info(f"executing {len(waiting)} notebooks, {n_jobs} at a time ({ENVIRONMENT})")
+    with one_thread_each(), ThreadPoolExecutor(n_jobs) as pool:  # a kernel is a process
+        running = {pool.submit(execute, path, notebook, app.config): path
+                   for path, notebook in waiting}
+        for done in as_completed(running):
+            path, result = running[done], done.result()
+            if result.err is not None:
+                logger.info(f"{path.name} failed ahead of the read; myst-nb runs it again")
+                continue
+            record = cache.add_nb_to_project(str(path))
+            cache.cache_notebook_bundle(
+                CacheBundleIn(result.nb, record.uri, data={"execution_seconds": result.time}),
+                check_validity=False, overwrite=True)
+            logger.info(f"{path.name}: executed ahead in {result.time:.1f} s and cached")
+
+
+@contextlib.contextmanager
+def one_thread_each():
+    """The kernels started inside run one thread each (numba's prange, BLAS, torch): two
+    notebooks of two threads on two cores wait at every parallel region for a thread the other
+    one holds (chapter 02 took 148 s beside another notebook, 46 s alone)."""
+    before = {name: os.environ.get(name) for name in THREADS}
+    os.environ.update({name: "1" for name in THREADS})
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def execute(path: Path, notebook, config):
+    """What myst-nb's cache mode runs for one notebook (in its folder, its timeout)."""
+    return single_nb_execution(notebook, cwd=str(path.parent.absolute()),
+                               timeout=config.nb_execution_timeout,
+                               allow_errors=config.nb_execution_allow_errors, meta_override=True)
+
+
+def setup(app):
+    app.connect("env-before-read-docs", execute_ahead)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}
