@@ -64,6 +64,9 @@ def test_sampling_is_seeded_and_respects_top_k(untrained):
     ({"top_p": 0.0}, r"top_p must be in \(0, 1\]; got 0.0"),
     ({"top_p": 1.5}, r"top_p must be in \(0, 1\]; got 1.5"),
     ({"top_k": -1}, "top_k must be >= 0"),
+    ({"temperature": float("nan")}, "temperature must be >= 0 and finite .*got nan"),
+    ({"top_k": 2.5}, "top_k must be >= 0 and a whole number .*got 2.5"),
+    ({"seed": -1}, "seed must be >= 0 and a whole number; got -1"),
 ])
 def test_bad_generation_input_is_named(untrained, kwargs, message):
     arguments = {"prompt": "hello", "max_new_tokens": 4} | kwargs

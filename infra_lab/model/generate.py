@@ -59,6 +59,26 @@ def sample(logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng
     return int(chosen[rng.choice(len(chosen), p=weights)])
 
 
+def _whole(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float, seed: int) -> None:
+    """Refuses, by name, sampling settings that a step would fail on (or silently misread) later:
+    a temperature that is not a finite number >= 0 (NaN passes a `< 0` test and poisons every
+    probability), a top_k that is not a whole number >= 0, a top_p outside (0, 1], a seed that
+    is not a whole number >= 0 (numpy's generators take no negative seed)."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.number)) \
+            or not np.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be >= 0 and finite (0 is greedy); got {temperature!r}")
+    if not _whole(top_k) or top_k < 0:
+        raise ValueError(f"top_k must be >= 0 and a whole number (0 keeps every token); got {top_k!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float, np.number)) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1]; got {top_p!r}")
+    if not _whole(seed) or seed < 0:
+        raise ValueError(f"seed must be >= 0 and a whole number; got {seed!r}")
+
+
 def generate(model, prompt, max_new_tokens: int = 64, temperature: float = 1.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, use_cache: bool = True,
              backend: backends.Backend | None = None) -> Generation:
@@ -77,12 +97,7 @@ def generate(model, prompt, max_new_tokens: int = 64, temperature: float = 1.0, 
     if max_new_tokens < 0 or len(tokens) + max_new_tokens > context:
         raise ValueError(f"max_new_tokens must be in [0, {context - len(tokens)}] for a "
                          f"{len(tokens)}-token prompt and a {context}-token context; got {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 is greedy); got {temperature}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1]; got {top_p}")
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0 (0 keeps every token); got {top_k}")
+    check_sampling(temperature, top_k, top_p, seed)
     rng = np.random.default_rng(seed)
     backend = backend or backends.current()
     started = time.perf_counter()

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from infra_lab.model.generate import check_sampling
+
 
 class RequestState(enum.Enum):
     WAITING = "waiting"  # not admitted yet, or sent back to wait
@@ -31,14 +33,14 @@ class SamplingParams:
     stop_tokens: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 is greedy); got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 keeps every token); got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1]; got {self.top_p}")
+        check_sampling(self.temperature, self.top_k, self.top_p, self.seed)
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, (int, np.integer)):
+            raise ValueError(f"max_tokens must be a whole number >= 1; got {self.max_tokens!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1; got {self.max_tokens}")
+        if not isinstance(self.stop_tokens, tuple) or not all(
+                isinstance(t, (int, np.integer)) and not isinstance(t, bool) and t >= 0 for t in self.stop_tokens):
+            raise ValueError(f"stop_tokens must be a tuple of token ids >= 0; got {self.stop_tokens!r}")
 
 
 @dataclass(eq=False)  # a request is itself: equal only to itself, hashed by identity
