@@ -5,20 +5,20 @@ here on torch's CPU build. The book build has run each chapter at full size on n
 the same path when test_grade_chapters.py grades them (torch, quick sizes, full marks)."""
 import datetime
 import json
-import math
+import sys
 import time
 import warnings
 from pathlib import Path
-from queue import Empty
 
 import nbformat
 import pytest
 from conftest import ON_TORCH
-from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "book" / "_ext"))
+from patient_client import PatientClient  # noqa: E402 (shared with the book build's notebooks)
+
 SLOW_S = 60  # a step over this is reported: at quick sizes only ch09's balancing check nears it
-SLICE_S = 1.0  # the client looks at its sockets at least this often (see PatientClient)
 # each notebook's seconds (the whole run, the kernel's start and stop, each code cell) land here
 TIMES = ROOT / "_build" / "torch_pass"
 NOTEBOOKS = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "book").glob("*.ipynb"))
@@ -43,42 +43,6 @@ def test_notebook_runs_on_the_torch_backend(relative, monkeypatch):
     first = next(cell for cell in notebook.cells if cell.cell_type == "code")
     said = first.outputs[0]["text"]
     assert "infra_lab backend: torch on cpu" in said and "quick sizes" in said
-
-
-class PatientClient(NotebookClient):
-    """nbclient, except that a wait for a kernel message is cut into SLICE_S slices.
-
-    A reply can sit on the client's socket without waking it: the sockets' file descriptors
-    are edge-triggered, and an edge the event loop misses leaves the wait to run to its timeout,
-    whose last look finds the message. Seen here under load: a cell that ran in 1.5 s was
-    answered after exactly 300.008 s, the cell timeout, and passed. Each slice ends with such a
-    look, so a missed edge costs at most SLICE_S; `late` counts the messages found that way."""
-
-    late = 0
-
-    async def async_start_new_kernel_client(self):
-        client = await super().async_start_new_kernel_client()
-        for channel in (client.shell_channel, client.iopub_channel):
-            channel.get_msg = self.in_slices(channel.get_msg)
-        return client
-
-    def in_slices(self, get_msg):
-        async def get_msg_in_slices(timeout=None):
-            remaining = math.inf if timeout is None else timeout
-            while True:
-                step = min(SLICE_S, remaining)
-                began = time.monotonic()
-                try:
-                    message = await get_msg(timeout=step)
-                except Empty:
-                    remaining -= time.monotonic() - began
-                    if remaining <= 0:
-                        raise
-                    continue
-                if time.monotonic() - began >= step:  # found by the slice's last look
-                    self.late += 1
-                return message
-        return get_msg_in_slices
 
 
 def cell_seconds(cell) -> float:

@@ -20,13 +20,15 @@ import contextlib
 import os
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import nbformat
 from jupyter_cache import get_cache
 from jupyter_cache.base import CacheBundleIn
-from jupyter_cache.executors.utils import single_nb_execution
+from nbclient.exceptions import CellExecutionError, CellTimeoutError
+from patient_client import PatientClient  # book/_ext is on the path for the local extensions
 from sphinx.util import logging
 
 logger = logging.getLogger(__name__)
@@ -69,15 +71,17 @@ def execute_ahead(app, env, docnames) -> None:
         running = {pool.submit(execute, path, notebook, app.config): path
                    for path, notebook in waiting}
         for done in as_completed(running):
-            path, result = running[done], done.result()
-            if result.err is not None:
+            path, (error, seconds, late) = running[done], done.result()
+            if error is not None:
                 logger.info(f"{path.name} failed ahead of the read; myst-nb runs it again")
                 continue
+            notebook = next(nb for p, nb in waiting if p == path)  # executed in place
             record = cache.add_nb_to_project(str(path))
             cache.cache_notebook_bundle(
-                CacheBundleIn(result.nb, record.uri, data={"execution_seconds": result.time}),
+                CacheBundleIn(notebook, record.uri, data={"execution_seconds": seconds}),
                 check_validity=False, overwrite=True)
-            logger.info(f"{path.name}: executed ahead in {result.time:.1f} s and cached")
+            logger.info(f"{path.name}: executed ahead in {seconds:.1f} s and cached"
+                        + (f" ({late} replies found late)" if late else ""))
 
 
 @contextlib.contextmanager
@@ -97,11 +101,20 @@ def one_thread_each():
                 os.environ[name] = value
 
 
-def execute(path: Path, notebook, config):
-    """What myst-nb's cache mode runs for one notebook (in its folder, its timeout)."""
-    return single_nb_execution(notebook, cwd=str(path.parent.absolute()),
-                               timeout=config.nb_execution_timeout,
-                               allow_errors=config.nb_execution_allow_errors, meta_override=True)
+def execute(path: Path, notebook, config) -> tuple[BaseException | None, float, int]:
+    """What myst-nb's cache mode runs for one notebook (in its folder, with its timeout), through
+    a client that cannot miss a reply (patient_client): its error, seconds, and replies found late."""
+    own = notebook.metadata.get("execution", {})  # a notebook's own limits win, as in myst-nb
+    client = PatientClient(notebook, timeout=own.get("timeout", config.nb_execution_timeout),
+                           allow_errors=own.get("allow_errors", config.nb_execution_allow_errors),
+                           resources={"metadata": {"path": str(path.parent.absolute())}},
+                           record_timing=False)  # timings in the cells' metadata would change its hash
+    started, error = time.perf_counter(), None
+    try:
+        client.execute()
+    except (CellExecutionError, CellTimeoutError) as failed:
+        error = failed
+    return error, time.perf_counter() - started, client.late
 
 
 def setup(app):

@@ -1,0 +1,332 @@
+"""The engine as a service: one thread steps the engine, any thread or asyncio task submits
+requests and reads their tokens as they come (what chapter 06's HTTP server and chapter 11's
+rollouts stand on).
+
+`Engine` is single-threaded: `add_request`, `step` and `abort` change its queues and its KV
+pool. `EngineLoop` owns an engine and is the only caller of those three, from its own thread.
+Other threads hand it requests and aborts through an inbox under a lock and wake it with a
+condition; the loop takes the inbox between steps, so a step never sees a half-added request.
+With nothing to run it sleeps on the condition (no busy wait), or until the scheduler's next
+decision (a dynamic batch's deadline).
+
+Each request gets a `RequestHandle`: iterate it, with `for` in a thread or `async for` in a
+task, for its `TokenEvent`s; the last one carries the finish reason. Requests take the caller's
+string id or a generated one. When `max_waiting` requests already wait, `submit` raises
+`Overloaded` with an estimate of when to retry. `shutdown(drain=True)` serves what was
+submitted and stops the thread; `shutdown(drain=False)` aborts it.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from infra_lab.serving.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token: int | None  # None only for the event that ends an aborted request
+    finish_reason: str | None  # None until the request's last event: "stop", "length", "abort"
+
+
+class Overloaded(RuntimeError):
+    """The waiting queue is full; `retry_after_s` estimates when a place frees up."""
+
+    def __init__(self, waiting: int, limit: int, retry_after_s: float):
+        self.waiting, self.limit, self.retry_after_s = waiting, limit, retry_after_s
+        super().__init__(f"overloaded: {waiting} requests already wait (max_waiting {limit}); "
+                         f"retry after about {retry_after_s:.3g} s")
+
+
+class LoopStopped(RuntimeError):
+    """The loop takes no new requests: it was shut down, or its thread failed (the cause is chained)."""
+
+
+class RequestHandle:
+    """One request's events, written by the loop's thread and read by any number of readers
+    (each iteration starts from the first event)."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self.finish_reason: str | None = None
+        self._events: list[TokenEvent] = []
+        self._error: BaseException | None = None
+        self._changed = threading.Condition()
+        self._wakers: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        self._engine_id: int | None = None  # set by the loop's thread when the engine takes it
+
+    @property
+    def tokens(self) -> list[int]:
+        with self._changed:
+            return [e.token for e in self._events if e.token is not None]
+
+    @property
+    def done(self) -> bool:
+        with self._changed:
+            return self.finish_reason is not None or self._error is not None
+
+    def _push(self, events: list[TokenEvent] = (), error: BaseException | None = None) -> None:
+        with self._changed:
+            self._events.extend(events)
+            if events and events[-1].finish_reason is not None:
+                self.finish_reason = events[-1].finish_reason
+            if error is not None and self.finish_reason is None:
+                self._error = error
+            self._changed.notify_all()
+            wakers = list(self._wakers)
+        for loop, changed in wakers:
+            loop.call_soon_threadsafe(changed.set)
+
+    def _after(self, seen: int) -> tuple[list[TokenEvent], bool, BaseException | None]:
+        """Events after the first `seen`, whether the request has ended, its error."""
+        return self._events[seen:], self.finish_reason is not None, self._error
+
+    def __iter__(self):
+        seen = 0
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: len(self._events) > seen or self.done)
+                new, ended, error = self._after(seen)
+            for event in new:
+                seen += 1
+                yield event
+            if error is not None:
+                raise error
+            if ended and not new:
+                return
+
+    async def _events_async(self):
+        loop, changed = asyncio.get_running_loop(), asyncio.Event()
+        with self._changed:
+            self._wakers.append((loop, changed))
+        seen = 0
+        try:
+            while True:
+                changed.clear()  # before reading: a push after the read sets it again
+                with self._changed:
+                    new, ended, error = self._after(seen)
+                for event in new:
+                    seen += 1
+                    yield event
+                if error is not None:
+                    raise error
+                if ended and not new:
+                    return
+                if not new:
+                    await changed.wait()
+        finally:
+            with self._changed:
+                self._wakers.remove((loop, changed))
+
+    def __aiter__(self):
+        return self._events_async()
+
+    def result(self, timeout_s: float | None = None) -> list[int]:
+        """Wait for the request to end; its tokens."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: self.done, timeout_s):
+                raise TimeoutError(f"request {self.request_id!r} did not end within {timeout_s} s")
+            if self._error is not None:
+                raise self._error
+        return self.tokens
+
+
+class EngineLoop:
+    def __init__(self, engine, max_waiting: int = 256, start: bool = True):
+        """Serve `engine` from a thread of its own. `max_waiting`: submitted requests that may wait
+        for their first step before `submit` raises Overloaded. `start=False` leaves the thread
+        unstarted until `start()` (requests queue meanwhile)."""
+        if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1:
+            raise ValueError(f"max_waiting must be a whole number >= 1; got {max_waiting!r}")
+        if engine.has_unfinished:
+            raise ValueError("the engine already has requests in flight; a loop must be its only caller")
+        self.engine, self.max_waiting = engine, max_waiting
+        self._wake = threading.Condition()
+        self._inbox: list[tuple] = []  # ("add", handle, tokens, params) or ("abort", request id)
+        self._handles: dict[str, RequestHandle] = {}  # every request ever submitted, by id
+        self._live: dict[int, RequestHandle] = {}  # engine id -> handle, until the request ends
+        self._waiting = 0  # submitted and not yet run: in the inbox or waiting in the engine
+        self._stopping: str | None = None  # "drain" or "abort" once shutdown is called
+        self._failure: BaseException | None = None
+        self._ids = itertools.count()
+        self._finishes: deque[float] = deque(maxlen=64)  # when recent requests ended (perf_counter)
+        self._step_s: deque[float] = deque(maxlen=64)  # recent step times
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # ---- any thread ------------------------------------------------------------------------------
+
+    def submit(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> RequestHandle:
+        """Queue a prompt (text, bytes or token ids); returns its handle at once. A prompt that can
+        never run raises ValueError naming why, a taken id ValueError, a full queue Overloaded,
+        a stopped loop LoopStopped; none of them changes anything."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams; got {type(params).__name__}")
+        tokens = self.engine._tokens(prompt)  # reads the model's vocabulary only: safe beside a step
+        with self._wake:
+            self._check_running()
+            request_id = self._new_id() if request_id is None else request_id
+            if not isinstance(request_id, str) or not request_id:
+                raise ValueError(f"a request id must be a non-empty string; got {request_id!r}")
+            if request_id in self._handles:
+                raise ValueError(f"request id {request_id!r} is taken; ids must be unique")
+            self.engine._check_fits(request_id, tokens, params)  # the config's rules: safe beside a step
+            if self._waiting >= self.max_waiting:
+                raise Overloaded(self._waiting, self.max_waiting, self._retry_after_s(params))
+            handle = RequestHandle(request_id)
+            self._handles[request_id] = handle
+            self._inbox.append(("add", handle, tokens, params))
+            self._waiting += 1
+            self._wake.notify()
+        return handle
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request from any thread; it ends within one step with finish reason "abort".
+        False if it had already ended; an unknown id raises KeyError."""
+        with self._wake:
+            if request_id not in self._handles:
+                raise KeyError(f"no request {request_id!r}")
+            if self._handles[request_id].done:
+                return False
+            self._inbox.append(("abort", request_id))
+            self._wake.notify()
+        return True
+
+    def shutdown(self, drain: bool = True, timeout_s: float | None = None) -> None:
+        """Stop taking requests; serve those submitted (drain) or abort them, then stop the thread."""
+        with self._wake:
+            self._stopping = self._stopping or ("drain" if drain else "abort")
+            self._wake.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                raise TimeoutError(f"the engine loop did not stop within {timeout_s} s")
+        elif not self._thread.ident:  # never started: end what was queued
+            for item in self._take_inbox():
+                if item[0] == "add":
+                    item[1]._push([TokenEvent(None, "abort")])
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown(drain=exc[0] is None)
+
+    @property
+    def waiting(self) -> int:
+        with self._wake:
+            return self._waiting
+
+    def _new_id(self) -> str:
+        while (request_id := f"req-{next(self._ids)}") in self._handles:
+            pass
+        return request_id
+
+    def _check_running(self) -> None:
+        if self._failure is not None:
+            raise LoopStopped("the engine loop failed; it takes no new requests") from self._failure
+        if self._stopping is not None:
+            raise LoopStopped("the engine loop is shut down; it takes no new requests")
+
+    def _retry_after_s(self, params: SamplingParams) -> float:
+        """Seconds until a waiting place frees up: one request's share of the recent finishing
+        rate, or, before any request has finished, its max_tokens steps at the recent step time."""
+        if len(self._finishes) >= 2 and self._finishes[-1] > self._finishes[0]:
+            return (self._finishes[-1] - self._finishes[0]) / (len(self._finishes) - 1)
+        step_s = sum(self._step_s) / len(self._step_s) if self._step_s else 0.01
+        return step_s * params.max_tokens
+
+    # ---- the loop's thread ---------------------------------------------------------------------
+
+    def _take_inbox(self) -> list[tuple]:
+        with self._wake:
+            inbox, self._inbox = self._inbox, []
+            return inbox
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                with self._wake:
+                    while not self._inbox and not engine.has_unfinished and self._stopping is None:
+                        self._wake.wait()  # idle: sleep until a submit, an abort or a shutdown
+                    stopping = self._stopping
+                self._apply(self._take_inbox())
+                if stopping == "abort":
+                    for engine_id in list(self._live):
+                        self._abort(engine_id)
+                    return
+                if not engine.has_unfinished:
+                    if stopping == "drain":
+                        return
+                    continue
+                self._step()
+        except BaseException as error:  # noqa: BLE001 - every reader must hear of it
+            with self._wake:
+                self._failure = error
+                handles = list(self._live.values()) + [i[1] for i in self._inbox if i[0] == "add"]
+                self._inbox = []
+            for handle in handles:
+                handle._push(error=LoopStopped(f"the engine loop failed: {error!r}"))
+
+    def _apply(self, inbox: list[tuple]) -> None:
+        engine = self.engine
+        for item in inbox:
+            if item[0] == "add":
+                _, handle, tokens, params = item
+                handle._engine_id = engine.add_request(tokens, params)
+                self._live[handle._engine_id] = handle
+                request = engine.requests[handle._engine_id]
+                if request.is_done:  # rejected by the engine's own max_waiting
+                    self._end(handle._engine_id, [TokenEvent(None, request.finish_reason)])
+            elif self._handles[item[1]]._engine_id in self._live:
+                self._abort(self._handles[item[1]]._engine_id)
+        self._recount()
+
+    def _recount(self) -> None:
+        """Requests that have not run yet: queued in the inbox, or waiting for their first step."""
+        requests = self.engine.requests
+        with self._wake:
+            self._waiting = sum(1 for item in self._inbox if item[0] == "add") + \
+                sum(1 for engine_id in self._live if requests[engine_id].admitted_s is None)
+
+    def _abort(self, engine_id: int) -> None:
+        self.engine.abort(engine_id)
+        self._end(engine_id, [TokenEvent(None, "abort")])
+
+    def _end(self, engine_id: int, events: list[TokenEvent]) -> None:
+        handle = self._live.pop(engine_id)
+        with self._wake:
+            self._finishes.append(time.perf_counter())
+        handle._push(events)
+
+    def _step(self) -> None:
+        engine, steps = self.engine, len(self.engine.log)
+        started = time.perf_counter()
+        outputs = engine.step()
+        if len(engine.log) == steps:  # nothing could run: wait for the scheduler's next decision
+            deadline = engine.scheduler.next_decision_s(engine.clock())
+            with self._wake:
+                if not self._inbox and self._stopping is None:
+                    self._wake.wait(None if deadline is None else max(0.0, deadline - engine.clock()))
+            return
+        self._step_s.append(time.perf_counter() - started)
+        events: dict[int, list[TokenEvent]] = {}
+        for out in outputs:
+            events.setdefault(out.request_id, []).append(
+                TokenEvent(out.token, out.finish_reason if out.finished else None))
+        for engine_id, produced in events.items():
+            if engine.requests[engine_id].is_done:
+                self._end(engine_id, produced)
+            else:
+                self._live[engine_id]._push(produced)
+        self._recount()
