@@ -22,13 +22,12 @@ import itertools
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from infra_lab.serving.request import SamplingParams
 
 
-@dataclass(frozen=True)
-class TokenEvent:
+class TokenEvent(NamedTuple):  # a tuple: made once per token per request, in the loop's thread
     token: int | None  # None only for the event that ends an aborted request
     finish_reason: str | None  # None until the request's last event: "stop", "length", "abort"
 
