@@ -2,7 +2,8 @@
 files use (imported as `from conftest import ...`): the engine's bookkeeping checks and a
 request's tokens alone (test_engine, test_scheduler, test_speculative_engine), a tiny random
 model (test_speculative, test_speculative_engine), and a scattered KV pool with its relative
-error and the error float32 explains (test_extend_attention, test_extend_triton). Tolerances
+error and the error float32 explains (test_extend_attention, test_extend_triton), and the torch
+pass's environment, ON_TORCH (test_notebooks_on_torch, test_grade_chapters). Tolerances
 derived from sizes live in tests/_numerics.py, which spawned processes import too."""
 import os
 from collections import Counter
