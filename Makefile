@@ -67,7 +67,7 @@ test: book chromium
 	$(BIN)/python -m pytest tests -q -n 2 -m grader
 
 # The inner loop of development: the unit and property tests without the slow ones (processes,
-# notebooks, training; `-m slow` lists them), on two workers, in under 2 minutes here. It needs
+# notebooks, training; `-m slow` lists them), on two workers, in about 2 minutes here. It needs
 # no book build. `make test` stays what CI runs.
 check: $(STAMP)
 	$(BIN)/python -m pytest tests -q -n 2 -m "not slow and not site and not grader" --durations=10
