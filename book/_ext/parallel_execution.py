@@ -19,13 +19,13 @@ in that cache.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
+from unittest import mock
 
 import nbformat
 from jupyter_cache import get_cache
@@ -87,21 +87,12 @@ def execute_ahead(app, env, docnames) -> None:
                         + (f" ({late} replies found late)" if late else ""))
 
 
-@contextlib.contextmanager
 def one_thread_each():
     """The kernels started inside run one thread each (numba's prange, BLAS, torch): two
     notebooks of two threads on two cores wait at every parallel region for a thread the other
-    one holds (chapter 02 took 148 s beside another notebook, 46 s alone)."""
-    before = {name: os.environ.get(name) for name in THREADS}
-    os.environ.update({name: "1" for name in THREADS})
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    one holds (chapter 02 took 148 s beside another notebook, 46 s alone). The environment is
+    put back on leaving."""
+    return mock.patch.dict(os.environ, {name: "1" for name in THREADS})
 
 
 def execute(path: Path, notebook, config) -> tuple[BaseException | None, float, int]:

@@ -84,6 +84,13 @@ class RequestHandle:
         """Events after the first `seen`, whether the request has ended, its error."""
         return self._events[seen:], self.finish_reason is not None, self._error
 
+    @staticmethod
+    def _over(new: list, ended: bool, error: BaseException | None) -> bool:
+        """After `new` is handed out: raise the loop's error, or say whether nothing more comes."""
+        if error is not None:
+            raise error
+        return ended and not new
+
     def __iter__(self):
         seen = 0
         while True:
@@ -93,9 +100,7 @@ class RequestHandle:
             for event in new:
                 seen += 1
                 yield event
-            if error is not None:
-                raise error
-            if ended and not new:
+            if self._over(new, ended, error):
                 return
 
     async def _events_async(self):
@@ -111,9 +116,7 @@ class RequestHandle:
                 for event in new:
                     seen += 1
                     yield event
-                if error is not None:
-                    raise error
-                if ended and not new:
+                if self._over(new, ended, error):
                     return
                 if not new:
                     await changed.wait()
