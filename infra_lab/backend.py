@@ -4,6 +4,11 @@ The default is torch on a CUDA GPU when there is one, else numba on the CPU.
 `INFRA_LAB_BACKEND=numba|torch|numpy` forces a backend and `INFRA_LAB_DEVICE=cpu|cuda`
 forces torch's device. Every kernel in infra_lab has a numpy face (the reference), a numba
 face (CPU) and a torch face (GPU, and CPU as a peer); `pick` chooses among them.
+
+The current backend is only the default: a caller that passes its own (an engine on its device)
+gets it for the whole call, so two engines in one process can sit on two devices. A torch face
+given numpy arrays moves them to `torch_device()`: the device of the backend its caller passed,
+in this thread, else the current one's.
 """
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import importlib
 import importlib.util
 import os
 import platform
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -122,14 +128,37 @@ def using(name: str | None = None, device: str | None = None) -> Iterator[Backen
         use(before.name, before.device)
 
 
+_passed = threading.local()  # .backend: the backend a caller passed to `pick`, during that call
+
+
 def pick(faces: Mapping[str, Callable], backend: Backend | None = None) -> Callable:
-    """The face of a kernel for `backend` (default: the current one)."""
-    backend = backend or current()
-    if backend.name not in faces:
+    """The face of a kernel for `backend` (default: the current one). A torch face picked for a
+    backend that is not the current one runs with that backend's device as `torch_device()`."""
+    chosen = backend or current()
+    if chosen.name not in faces:
         raise BackendUnavailable(
-            f"this kernel has no {backend.name!r} face; it has {', '.join(faces)}"
+            f"this kernel has no {chosen.name!r} face; it has {', '.join(faces)}"
         )
-    return faces[backend.name]
+    face = faces[chosen.name]
+    if chosen.name != "torch" or chosen == current():
+        return face
+
+    def on_its_device(*args, **kwargs):
+        before = getattr(_passed, "backend", None)
+        _passed.backend = chosen
+        try:
+            return face(*args, **kwargs)
+        finally:
+            _passed.backend = before
+
+    return on_its_device
+
+
+def torch_device() -> str:
+    """Where a torch face puts numpy inputs: the device of the backend its caller passed to
+    `pick`, else the current backend's ("cpu" unless that is torch)."""
+    chosen = getattr(_passed, "backend", None) or current()
+    return chosen.device if chosen.name == "torch" else "cpu"
 
 
 def threads() -> int:

@@ -117,3 +117,29 @@ def test_the_machine_names_the_cpu_model_and_threads(monkeypatch):
     monkeypatch.setattr(backend, "cpu_model", lambda: "AMD EPYC 7B13")
     monkeypatch.setattr(backend, "threads", lambda: 2)
     assert backend.machine() == "AMD EPYC 7B13, 2 threads"
+
+
+def test_a_backend_passed_to_a_kernel_holds_for_that_call_only_and_in_that_thread_only():
+    """Two engines in one process on two devices: a torch face picked for a passed backend moves
+    numpy inputs to that backend's device, whatever the current backend is, and only in the
+    thread and for the call that passed it (the device itself need not exist to be routed to)."""
+    import threading
+
+    faces = {"torch": lambda: backend.torch_device(), "numpy": lambda: "numpy face"}
+    with backend.using("numpy"):
+        assert backend.pick(faces, backend.Backend("torch", "cuda"))() == "cuda"
+        assert backend.torch_device() == "cpu" and backend.pick(faces)() == "numpy face"
+        seen = []
+        gate = threading.Event()
+
+        def slow_face():
+            gate.wait(5)
+            return backend.torch_device()
+
+        other = threading.Thread(target=lambda: seen.append(backend.torch_device()))
+        runner = threading.Thread(target=lambda: seen.append(backend.pick({"torch": slow_face},
+                                                                        backend.Backend("torch", "cuda"))()))
+        runner.start()
+        other.start(), other.join(5)
+        gate.set(), runner.join(5)
+        assert seen == ["cpu", "cuda"]

@@ -185,8 +185,7 @@ def attention_torch(q, k, v, causal: bool = True):
     _check(tuple(q.shape), tuple(k.shape), tuple(v.shape))
     as_numpy = isinstance(q, np.ndarray)
     if as_numpy:
-        current = backends.current()
-        device = current.device if current.name == "torch" else "cpu"
+        device = backends.torch_device()
         q, k, v = (torch.from_numpy(np.ascontiguousarray(x)).to(device) for x in (q, k, v))
     group = q.shape[0] // k.shape[0]
     if group > 1:

@@ -129,8 +129,7 @@ def decode_attention_torch(q, k, v, lengths):
     _check(tuple(q.shape), tuple(k.shape), tuple(v.shape), np.asarray(lengths.cpu() if hasattr(lengths, "cpu") else lengths))
     as_numpy = isinstance(q, np.ndarray)
     if as_numpy:
-        current = backends.current()
-        device = current.device if current.name == "torch" else "cpu"
+        device = backends.torch_device()
         q, k, v = (torch.from_numpy(np.ascontiguousarray(x)).to(device) for x in (q, k, v))
         lengths = torch.as_tensor(np.asarray(lengths), device=device)
     group = q.shape[1] // k.shape[2]

@@ -184,8 +184,7 @@ def extend_attention_torch(q, k_pool, v_pool, block_tables, query_starts, contex
     as_numpy = isinstance(q, np.ndarray)
     if as_numpy:
         _check(q, k_pool, v_pool, block_tables, query_starts, context_lens)
-        current = backends.current()
-        device = current.device if current.name == "torch" else "cpu"
+        device = backends.torch_device()
         q, k_pool, v_pool = (torch.from_numpy(np.ascontiguousarray(x)).to(device) for x in (q, k_pool, v_pool))
     block_tables, query_starts, context_lens = (
         x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x), device=q.device)

@@ -66,7 +66,7 @@ def gemv_torch(weights, x):
 
     _check_shapes(tuple(weights.shape), tuple(x.shape))
     if isinstance(weights, np.ndarray):
-        device = backends.current().device if backends.current().name == "torch" else "cpu"
+        device = backends.torch_device()
         result = torch.mv(torch.from_numpy(weights).to(device), torch.from_numpy(x).to(device))
         return result.cpu().numpy()
     return torch.mv(weights, x)

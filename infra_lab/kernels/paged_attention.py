@@ -227,8 +227,7 @@ def paged_decode_torch(q, k_pool, v_pool, block_tables, lengths):
     as_numpy = isinstance(q, np.ndarray)
     if as_numpy:
         _check(q, k_pool, v_pool, block_tables, lengths)
-        current = backends.current()
-        device = current.device if current.name == "torch" else "cpu"
+        device = backends.torch_device()
         q, k_pool, v_pool = (torch.from_numpy(np.ascontiguousarray(x)).to(device) for x in (q, k_pool, v_pool))
     if not isinstance(block_tables, torch.Tensor):
         block_tables = torch.as_tensor(np.asarray(block_tables), device=q.device)

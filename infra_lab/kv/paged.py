@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict, deque
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -31,6 +32,24 @@ def chain_digest(parent: bytes, tokens) -> bytes:
     moved to sha256 after advisory GHSA-rm76-4mrf-v9r8 (an option from v0.8.3, the default from
     v0.10.2)."""
     return hashlib.sha256(parent + np.asarray(tokens, "<i8").tobytes()).digest()
+
+
+@dataclass(frozen=True)
+class SequenceKV:
+    """One sequence's K and V out of a pool, as plain arrays (numpy, host memory) with their
+    layout: what moves a request's cache to another pool, in this process or another."""
+    data: np.ndarray  # (n_layers, 2, tokens, n_kv_heads, head_dim): K then V, position by position
+    tokens: tuple[int, ...]  # the tokens whose K and V they are
+
+    @property
+    def layout(self) -> dict:
+        n_layers, _, _, n_kv_heads, head_dim = self.data.shape
+        return {"n_layers": n_layers, "n_kv_heads": n_kv_heads, "head_dim": head_dim, "dtype": str(self.data.dtype)}
+
+    @property
+    def nbytes(self) -> int:
+        """2 x layers x KV heads x head dim x tokens x bytes per element."""
+        return self.data.nbytes
 
 
 class OutOfBlocks(RuntimeError):
@@ -377,6 +396,46 @@ class PagedKVCache:
         shape = (-1,) + tuple(self.k.shape[3:])
         return self.k[layer, table].reshape(shape)[:length], self.v[layer, table].reshape(shape)[:length]
 
+    def export_sequence(self, seq: int) -> SequenceKV:
+        """A copy of `seq`'s K and V (the tokens it holds), in host memory, in pool-free layout."""
+        self._live(seq)
+        length, table = self.lengths[seq], self.tables[seq]
+        blocks = self.kv[:, _index(table, self.kv)]  # (L, blocks, 2, block_size, K, Dh)
+        data = blocks.transpose(1, 2) if not isinstance(blocks, np.ndarray) else blocks.swapaxes(1, 2)
+        data = data.reshape(data.shape[0], 2, -1, *data.shape[4:])[:, :, :length]  # (L, 2, tokens, K, Dh)
+        data = np.ascontiguousarray(data) if isinstance(data, np.ndarray) else data.contiguous().cpu().numpy()
+        return SequenceKV(data, tuple(self.tokens[seq]))
+
+    def check_import(self, kv: SequenceKV) -> None:
+        """ValueError unless `kv` has this pool's layout (layers, KV heads, head size, dtype)."""
+        mine = {"n_layers": self.kv.shape[0], "n_kv_heads": self.kv.shape[4], "head_dim": self.kv.shape[5],
+                "dtype": str(self.kv.dtype).removeprefix("torch.")}
+        if not isinstance(kv, SequenceKV) or kv.data.ndim != 5 or kv.data.shape[1:3] != (2, len(kv.tokens)):
+            raise ValueError("K and V to import are a SequenceKV of shape (n_layers, 2, tokens, kv_heads, head_dim)")
+        theirs = kv.layout
+        if theirs != mine:
+            differ = {k: (theirs[k], mine[k]) for k in mine if theirs[k] != mine[k]}
+            raise ValueError(f"K and V for {len(kv.tokens)} tokens do not fit this pool: (theirs, this pool's) {differ}")
+
+    def import_sequence(self, kv: SequenceKV) -> int:
+        """A new sequence holding `kv`'s K and V, in blocks of this pool's size (whatever the
+        exporting pool's were). Raises ValueError if the layout differs from this pool's, and
+        OutOfBlocks if the pool is short; either way nothing changes."""
+        self.check_import(kv)
+        n = -(-len(kv.tokens) // self.block_size)
+        blocks = self.allocator.allocate(n)  # OutOfBlocks before anything changes
+        padded = np.zeros((kv.data.shape[0], 2, n * self.block_size, *kv.data.shape[3:]), kv.data.dtype)
+        padded[:, :, :len(kv.tokens)] = kv.data
+        data = padded.reshape(kv.data.shape[0], 2, n, self.block_size, *kv.data.shape[3:]).swapaxes(1, 2)
+        if not isinstance(self.kv, np.ndarray):
+            import torch
+
+            data = torch.from_numpy(np.ascontiguousarray(data)).to(self.kv.device)
+        self.kv[:, _index(blocks, self.kv)] = data
+        seq = self.new_sequence()
+        self.tables[seq], self.lengths[seq], self.tokens[seq] = blocks, len(kv.tokens), list(kv.tokens)
+        return seq
+
     def view(self, seq: int) -> SequenceView:
         self._live(seq)
         return SequenceView(self, seq)
@@ -384,6 +443,15 @@ class PagedKVCache:
     @property
     def bytes_per_block(self) -> int:
         return self.kv[:, 0].nbytes  # K and V; numpy arrays and torch tensors both have nbytes
+
+
+def _index(blocks, like):
+    """Block ids to index `like` (a numpy array, or a torch tensor on its device)."""
+    if isinstance(like, np.ndarray):
+        return np.asarray(blocks, np.int64)
+    import torch
+
+    return torch.as_tensor(list(blocks), dtype=torch.int64, device=like.device)
 
 
 class SequenceView:

@@ -227,6 +227,12 @@ class QuantizedTransformer(Transformer):
                               for key, m in quantized.items() if method == "smoothquant"}
         self._codes_only = {key: dataclasses.replace(quantized[key], input_scale=None) for key in self._input_scales}
 
+    def prepare_weights(self, state: dict, version: int, check: bool = True):
+        if hasattr(self, "quantized"):  # built already: new weights must be quantized, not loaded
+            raise ValueError("a quantized model's weights are its quantized matrices: quantize the new weights "
+                             "(quantize_model) and serve that model, rather than load them into this one")
+        return super().prepare_weights(state, version, check)
+
     def linear(self, x: np.ndarray, key: str, backend: backends.Backend) -> np.ndarray:
         matrix = self.quantized.get(key)
         if matrix is None:

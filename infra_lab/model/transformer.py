@@ -8,6 +8,12 @@ rotary positions (Su et al., 2021), SwiGLU (Shazeer, 2020) and grouped-query att
 Every matrix the model applies goes through one method, `linear(x, key, backend)`, so that a
 subclass can change how a matrix is applied (model.quantized reads them quantized).
 
+One weight source: `w`, by name (the names and shapes of config.weight_shapes, which the torch
+face, the trainers and the weight files use too). Everything else is derived from it: the fused
+matrices the numpy and numba faces multiply by, and a torch model per device. `load_weights`
+(that is, `prepare_weights` then `swap_weights`) checks a new state, derives every copy from it,
+then swaps them all at once and records the version, so no face ever runs on old weights.
+
 Shapes: N or T new tokens, d model width, H query heads, K KV heads, Dh head size.
 """
 from __future__ import annotations
@@ -83,14 +89,65 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return np.concatenate([first * cos - second * sin, first * sin + second * cos], axis=-1)
 
 
+class PreparedWeights:
+    """A checked state and every copy derived from it, ready to swap in (Transformer.swap_weights)."""
+
+    def __init__(self, w: dict, matrices: dict, torch_models: dict, version: int):
+        self.w, self.matrices, self.torch_models, self.version = w, matrices, torch_models, version
+
+
+def check_state(config: ModelConfig, state: dict) -> None:
+    """ValueError naming every weight of `state` that is missing, extra, misshapen, not a float
+    array, or not finite; nothing else is read."""
+    if not isinstance(state, dict):
+        raise ValueError(f"weights must be a dict of name -> array; got {type(state).__name__}")
+    shapes = weight_shapes(config)
+    missing, extra = sorted(set(shapes) - set(state)), sorted(set(state) - set(shapes))
+    wrong = [f"{name} is {np.shape(state[name])}, expected {shape}" for name, shape in shapes.items()
+             if name in state and np.shape(state[name]) != shape]
+    kinds = [f"{name} is {np.asarray(state[name]).dtype}, not a float array" for name in shapes
+             if name in state and np.asarray(state[name]).dtype.kind != "f"]
+    problems = ([f"missing: {', '.join(missing)}"] if missing else []) + \
+        ([f"not weights of {config.name}: {', '.join(extra)}"] if extra else []) + wrong + kinds
+    if not problems:
+        problems = [f"{name} holds NaN or infinity" for name in shapes if not np.isfinite(state[name]).all()]
+    if problems:
+        raise ValueError(f"weights refused for {config.name} (nothing changed): " + "; ".join(problems))
+
+
 class Transformer:
-    def __init__(self, config: ModelConfig, weights: dict, figures: dict | None = None):
+    def __init__(self, config: ModelConfig, weights: dict, figures: dict | None = None, version: int = 0):
         self.config = config
-        self.w = {name: np.ascontiguousarray(value, np.float32) for name, value in weights.items()}
         self.figures = figures or {}
-        self._torch_models: dict = {}
-        self.matrices: dict[str, np.ndarray] = matrices_of(config, self.w)  # key -> (n_in, n_out)
         self.rope_cos, self.rope_sin = rope_at(config, np.arange(config.context))  # (context, Dh/2) each
+        self._torch_models: dict = {}  # device -> TorchTransformer, made when a torch step first runs there
+        self.swap_weights(self.prepare_weights(weights, version, check=False))
+
+    def prepare_weights(self, state: dict, version: int, check: bool = True) -> PreparedWeights:
+        """Check `state` (check_state), then derive every copy the faces use (the fused matrices,
+        a torch model for each device in use): the slow part of a weight update, which may run
+        in another thread while this model serves."""
+        if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
+            raise ValueError(f"a weight version is a whole number >= 0; got {version!r}")
+        if check:
+            check_state(self.config, state)
+        w = {name: np.ascontiguousarray(value, np.float32) for name, value in state.items()}
+        torch_models = {}
+        if self._torch_models:
+            from infra_lab.model.torch_model import TorchTransformer
+
+            torch_models = {device: TorchTransformer(self.config, w).to(device).eval()
+                            for device in self._torch_models}
+        return PreparedWeights(w, matrices_of(self.config, w), torch_models, int(version))
+
+    def swap_weights(self, prepared: PreparedWeights) -> None:
+        """Serve `prepared` from the next step on: every face at once."""
+        self.w, self.matrices, self._torch_models = prepared.w, prepared.matrices, prepared.torch_models
+        self.version = prepared.version
+
+    def load_weights(self, state: dict, version: int) -> None:
+        """Check and swap in new weights (name -> array, every weight of the model) as `version`."""
+        self.swap_weights(self.prepare_weights(state, version))
 
     @property
     def n_params(self) -> int:

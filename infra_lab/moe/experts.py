@@ -117,8 +117,7 @@ def experts_torch(x_sorted, offsets, weights: ExpertWeights):
 
     check(x_sorted, offsets, weights)
     given_numpy = isinstance(x_sorted, np.ndarray)
-    backend = backends.current()
-    device = (backend.device if backend.name == "torch" else "cpu") if given_numpy else x_sorted.device
+    device = backends.torch_device() if given_numpy else x_sorted.device
     x = torch.from_numpy(np.ascontiguousarray(x_sorted, np.float32)).to(device) if given_numpy else x_sorted
     gate, up, down = (w.to(device) if isinstance(w, torch.Tensor) else torch.from_numpy(np.asarray(w, np.float32)).to(device)
                       for w in weights)

@@ -116,8 +116,7 @@ def matmul_torch(x, matrix: Fp8Matrix):
 
     _check(x, matrix)
     given_numpy = isinstance(x, np.ndarray)
-    backend = backends.current()
-    device = (backend.device if backend.name == "torch" else "cpu") if given_numpy else x.device
+    device = backends.torch_device() if given_numpy else x.device
     xt = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(device) if given_numpy else x.float()
     x_scale = torch.clamp(xt.abs().max() / formats.E4M3.max_value, min=torch.finfo(torch.float32).tiny)
     if not bool((xt.abs().max() > 0).item()):

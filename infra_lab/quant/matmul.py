@@ -300,8 +300,7 @@ def matmul_torch(x, matrix: QuantizedMatrix):
 
     _check(x, matrix)
     given_numpy = isinstance(x, np.ndarray)
-    backend = backends.current()
-    device = (backend.device if backend.name == "torch" else "cpu") if given_numpy else x.device
+    device = backends.torch_device() if given_numpy else x.device
     xt = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(device) if given_numpy else x.float()
     by_row = lambda tiles: torch.from_numpy(tiles).to(device).transpose(1, 2).flatten(0, 1)  # noqa: E731
     codes = by_row(matrix.tiles)  # (n_out, bytes per output): the tiles laid out row by row on the device

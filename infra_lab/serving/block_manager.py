@@ -1,7 +1,9 @@
 """The scheduler's view of KV memory: how many blocks a request's next tokens need, where a new
 request starts (after a cached prefix, with the radix cache), and what preemption frees.
 
-It owns the pool's bookkeeping for requests; the model runner only fills the blocks. With the
+It is the only part of the engine that changes the pool's books (tables, lengths, references): it
+reserves room before a step, records what the step computed after it, forks an n > 1 request's
+samples from their prompt, and hands blocks back; the model runner only fills the slots. With the
 radix cache (chapter 04) the pool has blocks of one token and the tree holds one reference to
 each slot it caches: a finished or preempted request inserts what it computed, a new one
 starts after its longest cached prefix, and the tree's unlocked leaves are evicted (least
@@ -27,6 +29,56 @@ class BlockManager:
         self.host = HostPool(pool, host_blocks) if host_blocks else None
         self.locked: dict[int, Node] = {}  # request id -> the tree node its cached prefix ends at
         self.swapped: dict[int, SwappedSequence] = {}  # request id -> its blocks in host memory
+        self.stale_trees: list[RadixCache] = []  # trees flushed by a weight update, emptied as their locks go
+        self.forks = 0  # samples started from another sample's blocks
+
+    def reserve(self, request: Request, n_tokens: int) -> None:
+        """Room in the request's blocks for its next `n_tokens` (OutOfBlocks, nothing changed, if short)."""
+        self.pool.reserve(request.seq, n_tokens)
+
+    def record(self, request: Request, computed: list[int], kept: int) -> None:
+        """After a step: the first `kept` of the `computed` tokens (whose K and V it wrote) now
+        stand in the request's sequence; room reserved past them (rejected or unmade drafts) goes back."""
+        pool, seq = self.pool, request.seq
+        pool.commit(seq, computed[:kept])
+        if len(pool.tables[seq]) * self.block_size - pool.lengths[seq] >= self.block_size:
+            pool.truncate(seq, pool.lengths[seq])
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Start `child` (a sample of the same prompt) on every block of `parent`, which has just
+        computed the prompt: the blocks are shared, and a shared last block is copied on its first
+        write (copy-on-write)."""
+        child.seq, child.num_computed = self.pool.fork(parent.seq), parent.num_computed
+        if self.tree:
+            node = self.locked[parent.request_id]
+            node_tree = self._tree_of(node)
+            node_tree.lock(node)
+            self.locked[child.request_id] = node
+        self.forks += 1
+
+    def adopt(self, request: Request, kv) -> None:
+        """Give an imported request a sequence holding its exported K and V (kv.paged.SequenceKV)."""
+        self.pool.check_import(kv)
+        if not self.make_room(-(-len(kv.tokens) // self.block_size)):
+            raise OutOfBlocks(f"request {request.request_id} brings {len(kv.tokens)} tokens of K and V; "
+                              f"{self.available} blocks of {self.block_size} can be had")
+        request.seq, request.num_computed = self.pool.import_sequence(kv), len(kv.tokens)
+        if self.tree:  # a root "lock", so release() finds one
+            self.locked[request.request_id] = self.tree.root
+
+    def flush_prefix_cache(self) -> None:
+        """Forget every cached prefix (new weights make their K and V wrong). Prefixes that running
+        requests hold stay theirs, and leave with them; no new request will match them."""
+        if not self.tree:
+            return
+        old = self.tree
+        old.evict(old.evictable_size)
+        self.tree = RadixCache(free_slots=self.pool.release)
+        if any(node is not old.root for node in self.locked.values()):
+            self.stale_trees.append(old)
+        for request_id, node in self.locked.items():  # a root "lock" moves to the new root
+            if node is old.root:
+                self.locked[request_id] = self.tree.root
 
     @property
     def block_size(self) -> int:
@@ -77,19 +129,39 @@ class BlockManager:
 
     def release(self, request: Request) -> None:
         """Hand back a request's blocks (finished, aborted, or preempted to recompute). With the tree,
-        what it computed is cached first, so a later request, or its own rerun, starts after it."""
+        what it computed is cached first, so a later request, or its own rerun, starts after it
+        (unless its prefix came from a tree that a weight update flushed: then nothing is cached)."""
         if request.seq is None:
             return
         if self.tree:
-            tokens = self.pool.tokens[request.seq]  # the tokens whose K and V are in the pool
-            slots = np.asarray(self.pool.tables[request.seq], np.int64)  # one token per block
             node = self.locked.pop(request.request_id)
-            attached = self._path_length(node)
-            self.pool.hold(slots[attached:])  # the tree's reference to the slots it did not hand out
-            self.tree.insert(tokens, slots)  # keeps them, or hands back duplicates
-            self.tree.unlock(node)
+            tree = self._tree_of(node)
+            if tree is self.tree:
+                tokens = self.pool.tokens[request.seq]  # the tokens whose K and V are in the pool
+                slots = np.asarray(self.pool.tables[request.seq], np.int64)  # one token per block
+                _, cached, _ = self.tree.match_prefix(tokens)  # slots the tree holds for its first tokens
+                new = np.arange(len(slots)) >= len(cached)
+                new[:len(cached)] = slots[:len(cached)] != cached  # (a sample's prompt may be there already)
+                self.pool.hold(slots[new])  # the tree's reference to the slots it does not hold yet
+                self.tree.insert(tokens, slots)  # keeps them, or hands back duplicates
+            self._unlock(node)
         self.pool.free(request.seq)
         request.seq, request.num_computed = None, 0
+
+    def _unlock(self, node: Node) -> None:
+        """Unpin a request's prefix; a flushed tree gives back what no request pins any more."""
+        tree = self._tree_of(node)
+        tree.unlock(node)
+        if tree is not self.tree:
+            tree.evict(tree.evictable_size)
+            if not any(self._tree_of(n) is tree for n in self.locked.values()):
+                self.stale_trees.remove(tree)
+
+    def _tree_of(self, node: Node) -> RadixCache:
+        root = node
+        while root.parent is not None:
+            root = root.parent
+        return next(tree for tree in [self.tree, *self.stale_trees] if tree.root is root)
 
     def unreserve(self, request: Request) -> None:
         """Hand back blocks reserved for tokens that were planned but will not run (the request was
@@ -103,7 +175,7 @@ class BlockManager:
     def swap_out(self, request: Request) -> None:
         """Move a running request's blocks to host memory; it keeps what it computed."""
         if self.tree:  # its prefix slots are copied with the rest; the tree may evict the originals
-            self.tree.unlock(self.locked.pop(request.request_id))
+            self._unlock(self.locked.pop(request.request_id))
         self.swapped[request.request_id] = self.host.swap_out(request.seq)
         request.seq = None
 
@@ -129,8 +201,3 @@ class BlockManager:
             self.host.drop(self.swapped.pop(request.request_id))
         self.release(request)
 
-    def _path_length(self, node: Node) -> int:
-        length = 0
-        while node is not self.tree.root:
-            length, node = length + len(node.key), node.parent
-        return length

@@ -1,8 +1,11 @@
 """The serving engine: requests in, tokens out, one batched forward per step (chapter 05).
 
-`add_request` queues a prompt with its sampling parameters; each `step()` asks the scheduler
-what to run, runs it through the model runner as one mixed batch, and returns what each request
-produced; `abort` cancels; `stream` yields one request's tokens as they come; `generate` serves a
+`add_request` queues a prompt with its sampling parameters (n samples of it share its KV
+blocks); each `step()` asks the scheduler what to run, runs it through the model runner as one
+mixed batch, records what it computed in the block manager, and returns what each request
+produced, with log-probabilities if asked and the weight version that made each token; a step
+that fails in the runner changes no request and no block. `abort` cancels; `update_weights`
+swaps the model's weights between steps; `stream` yields one request's tokens as they come; `generate` serves a
 whole batch of prompts; `serve` replays a timed workload (traffic.TimedRequest) against the
 clock. Every step is logged (steplog), and every figure of the chapter is computed from that log
 and the requests' timestamps (metrics). The simulator runs this same engine with a runner that
@@ -10,42 +13,63 @@ times steps by a roofline model on a virtual clock.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
 from infra_lab import backend as backends
+from infra_lab.kv.paged import SequenceKV
 from infra_lab.serving.block_manager import BlockManager
 from infra_lab.serving.clock import WallClock
 from infra_lab.serving.config import EngineConfig
 from infra_lab.serving.drafters import Drafter
 from infra_lab.serving.request import Request, RequestState, SamplingParams
-from infra_lab.serving.runner import ModelRunner
-from infra_lab.serving.scheduler import Scheduler
+from infra_lab.serving.runner import ModelRunner, RunnerOutput
+from infra_lab.serving.scheduler import Scheduler, StepPlan
 from infra_lab.serving.speculative import check_drafter
 from infra_lab.serving.speculative_runner import SpeculativeRunner
 from infra_lab.serving.steplog import StepRecord, Work
 
 
+IN_FLIGHT_RULES = ("continue", "recompute")  # what update_weights does to requests that hold KV
+
+
 @dataclass(frozen=True)
 class StepOutput:
-    request_id: int
+    request_id: int  # the id add_request returned (for sample i of n, its first sample's)
     token: int
-    finished: bool
+    finished: bool  # this sample ended with this token
     finish_reason: str | None  # "stop" or "length" when finished
+    index: int = 0  # which of the prompt's n samples
+    logprob: float | None = None  # the token's log-probability, if the request asked (SamplingParams.logprobs)
+    top_logprobs: tuple[tuple[int, float], ...] | None = None  # the likeliest tokens there, with theirs
+    weight_version: int = 0  # of the weights that produced the token
+
+
+def check_in_flight(rule: str) -> None:
+    if rule not in IN_FLIGHT_RULES:
+        raise ValueError(f"in_flight must be one of {', '.join(map(repr, IN_FLIGHT_RULES))}; got {rule!r}")
+
+
+def byte_text(tokens: list[int]) -> str:
+    """The text of byte tokens (the book's models), for stop strings."""
+    return bytes(tokens).decode("utf-8", errors="replace")
 
 
 class Engine:
     def __init__(self, model=None, config: EngineConfig | None = None, backend: backends.Backend | None = None,
                  *, runner=None, clock=None, scheduler_class: type[Scheduler] = Scheduler,
-                 drafter: Drafter | None = None, acceptance_rule=None):
+                 drafter: Drafter | None = None, acceptance_rule=None,
+                 detokenize: Callable[[list[int]], str] | None = None):
         """The engine over `model` (a Transformer) on `backend`; a simulator passes its own
         `runner` (with its pool) and `clock` instead of a model. `scheduler_class` may be a
         subclass of Scheduler with a policy of one's own (chapter 05's last exercise). With
         config.num_speculative_tokens = γ > 0, `drafter` proposes γ tokens per decode and
-        `acceptance_rule` (speculative.accept_sampling unless given) judges them (chapter 07)."""
+        `acceptance_rule` (speculative.accept_sampling unless given) judges them (chapter 07).
+        `detokenize` turns output tokens into text for stop strings (bytes for a 256-token vocabulary)."""
         self.config = config or EngineConfig()
+        self.model = model
         self.clock = clock or WallClock()
         gamma = self.config.num_speculative_tokens
         if (drafter is None) != (gamma == 0):
@@ -65,7 +89,11 @@ class Engine:
         self.blocks = BlockManager(runner.pool, radix=self.config.prefix_cache == "radix",
                                    host_blocks=self.config.host_blocks)
         self.scheduler = scheduler_class(self.config, self.blocks)
-        self.requests: dict[int, Request] = {}
+        if detokenize is None and runner.vocab <= 256:
+            detokenize = byte_text
+        self.detokenize = detokenize
+        self.requests: dict[int, Request] = {}  # every request by id, the samples of an n > 1 request too
+        self.groups: dict[int, list[Request]] = {}  # an n > 1 request's id -> its n samples, in order
         self.log: list[StepRecord] = []
         self._next_id = 0
 
@@ -75,7 +103,9 @@ class Engine:
                     request_id: int | None = None) -> int:
         """Queue a prompt (text, bytes or token ids); returns its request id. A prompt that can
         never run raises ValueError naming why, and the engine is unchanged. When `max_waiting`
-        requests already wait, the request is rejected: it ends at once, aborted, with the reason."""
+        requests already wait, the request is rejected: it ends at once, aborted, with the reason.
+        With params.n > 1 the prompt is computed once; its n samples fork from it (sharing its
+        blocks) when it ends, and sample i draws as a one-sample request with seed + i would."""
         params = params or SamplingParams()
         tokens = self._tokens(prompt)
         request_id = self._next_id if request_id is None else int(request_id)
@@ -83,15 +113,28 @@ class Engine:
             raise ValueError(f"request id {request_id} is taken; ids must be unique")
         self._check_fits(request_id, tokens, params)
         now = self.clock()
-        request = Request(request_id, tokens, params, arrival_s=now if arrival_s is None else arrival_s)
+        arrival_s = now if arrival_s is None else arrival_s
+        request = Request(request_id, tokens, params, arrival_s=arrival_s, detokenize=self.detokenize)
         self.requests[request_id] = request
         self._next_id = max(self._next_id, request_id + 1)
+        if params.n > 1:
+            for index in range(1, params.n):
+                sample = Request(self._next_id, tokens, params.for_sample(index), arrival_s=arrival_s,
+                                 parent_id=request_id, index=index, detokenize=self.detokenize)
+                self.requests[sample.request_id], self._next_id = sample, self._next_id + 1
+                request.samples.append(sample)
+            self.groups[request_id] = [request] + request.samples
         limit = self.config.max_waiting
         if limit is not None and len(self.scheduler.waiting) >= limit:
-            request.finish(RequestState.ABORTED, f"rejected: {limit} requests already wait (max_waiting)", now)
+            for each in self.group(request_id):
+                each.finish(RequestState.ABORTED, f"rejected: {limit} requests already wait (max_waiting)", now)
         else:
             self.scheduler.add(request)
         return request_id
+
+    def group(self, request_id: int) -> list[Request]:
+        """The request's samples, in order: itself alone unless it asked for n > 1."""
+        return self.groups.get(request_id) or [self._get(request_id)]
 
     def _tokens(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -115,6 +158,16 @@ class Engine:
         if (total if config.batch_at_once else longest) > pool_tokens:
             raise ValueError(f"{where} needs more KV than the whole pool holds ({config.num_blocks} blocks of "
                              f"{config.block_size} = {pool_tokens} tokens)")
+        if params.n > 1 and config.batch_at_once:
+            raise ValueError(f"request {request_id}: n={params.n} samples join the running batch when their prompt "
+                             f"is computed; the {config.policy!r} policy fixes a batch when it starts: use "
+                             "'continuous' or 'chunked'")
+        if params.n > config.max_batch:
+            raise ValueError(f"request {request_id}: n={params.n} samples run together, more than max_batch "
+                             f"{config.max_batch}")
+        if params.stop and self.detokenize is None:
+            raise ValueError(f"request {request_id}: stop strings {params.stop!r} need a detokenizer; this engine's "
+                             f"vocabulary of {self.runner.vocab} tokens is not bytes: pass detokenize=")
         if config.policy == "dynamic" and total > config.max_len:
             raise ValueError(f"{where} = {total} is longer than dynamic batching's max_len {config.max_len}: "
                              "the published loop would never take it, and never end")
@@ -124,16 +177,19 @@ class Engine:
                              "use policy='chunked' or a larger budget")
 
     def abort(self, request_id: int) -> bool:
-        """Cancel a request; its blocks go back at once. False if it had already ended."""
-        request = self._get(request_id)
-        if request.is_done:
-            return False
+        """Cancel a request (with n > 1, every sample of it); its blocks go back at once. False if
+        it had already ended."""
+        live = [r for r in self.group(request_id) if not r.is_done]
+        for request in live:
+            self._end(request, "abort")
+        return bool(live)
+
+    def _end(self, request: Request, reason: str) -> None:
+        """End a request that has not finished: out of every queue, its blocks back, its runner state gone."""
         self.scheduler.remove(request)
         self.blocks.drop(request)
-        if isinstance(self.runner, SpeculativeRunner):
-            self.runner.drafter.forget(request_id)  # its draft model's cache goes too
-        request.finish(RequestState.ABORTED, "abort", self.clock())
-        return True
+        self.runner.release([request.request_id])
+        request.finish(RequestState.ABORTED, reason, self.clock())
 
     def _get(self, request_id: int) -> Request:
         if request_id not in self.requests:
@@ -145,7 +201,9 @@ class Engine:
     # ---- one step ----------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
-        """Run one step; returns the token each request produced in it (empty if nothing ran)."""
+        """Run one step; returns the token each request produced in it (empty if nothing ran).
+        If the runner fails, the step never happened: the room reserved for it goes back, and the
+        requests admitted for it wait again (requests preempted to make room stay preempted)."""
         start = self.clock()
         plan = self.scheduler.schedule(start)
         while not plan and plan.preempted:  # every candidate was preempted; those left can run now
@@ -155,27 +213,156 @@ class Engine:
         if not plan:
             return []
         kinds = ["decode" if r.output and r.num_uncomputed == 1 else "prefill" for r, _ in plan.batch]
-        produced = self.runner.run(plan.batch)
-        verdicts = self.runner.verdicts  # request id -> (drafted, accepted) in this step
-        work = tuple(Work(r.request_id, kind, n, *verdicts.get(r.request_id, (0, 0)))
-                     for (r, n), kind in zip(plan.batch, kinds))
-        outputs, finished = [], []
+        try:
+            out = self.runner.run(plan.batch)
+        except BaseException:
+            self._undo(plan)
+            raise
+        now, outputs, finished = self.clock(), [], []
         for request, _ in plan.batch:
-            if request.request_id in produced:
-                tokens = produced[request.request_id]  # one, or several with speculative decoding
-                outputs.extend(StepOutput(request.request_id, token, request.is_done and i == len(tokens) - 1,
-                                          request.finish_reason if i == len(tokens) - 1 else None)
-                               for i, token in enumerate(tokens))
-                if request.is_done:
-                    finished.append(request.request_id)
-                    self.scheduler.finished(request)
+            rid = request.request_id
+            self.blocks.record(request, out.computed[rid], out.kept[rid])
+            request.num_computed += out.kept[rid]
+            forks = [sample for sample in request.samples if sample.request_id in out.tokens]
+            for sample in forks:  # the prompt is computed: its other samples start from its blocks
+                self.blocks.fork(request, sample)
+                self.scheduler.join(sample, now)
+            if forks:
+                request.samples = []
+            for each in [request] + forks:
+                if each.request_id in out.tokens:
+                    outputs.extend(self._take(each, out, now))
+                    if each.is_done:
+                        finished.append(each.request_id)
+                        self.scheduler.finished(each)
+        if finished:
+            self.runner.release(finished)
+        work = tuple(Work(r.request_id, kind, n, *out.verdicts.get(r.request_id, (0, 0)))
+                     for (r, n), kind in zip(plan.batch, kinds))
         ids = lambda requests: tuple(r.request_id for r in requests)  # noqa: E731
         self.log.append(StepRecord(
-            index=len(self.log), start_s=start, end_s=self.clock(), forward_s=self.runner.forward_s, work=work,
+            index=len(self.log), start_s=start, end_s=self.clock(), forward_s=out.forward_s, work=work,
             preempted=ids(plan.preempted), swapped_out=ids(plan.swapped_out), swapped_in=ids(plan.swapped_in),
             finished=tuple(finished), held=ids(plan.held), waiting=len(self.scheduler.waiting),
-            free_blocks=self.blocks.pool.num_free, draft_s=getattr(self.runner, "draft_s", 0.0)))
+            free_blocks=self.blocks.pool.num_free, draft_s=out.draft_s))
         return outputs
+
+    def _take(self, request: Request, out: RunnerOutput, now: float) -> list[StepOutput]:
+        """The request takes the step's tokens for it (until it finishes); one StepOutput each."""
+        rid, version = request.request_id, out.weight_version
+        logprobs, tops = out.logprobs.get(rid), out.top_logprobs.get(rid)
+        taken = request.extend(out.tokens[rid], now, version, logprobs, tops)
+        last = len(taken) - 1
+        return [StepOutput(request.group_id, token, request.is_done and i == last,
+                           request.finish_reason if i == last else None, request.index,
+                           None if logprobs is None else logprobs[i], None if tops is None else tops[i], version)
+                for i, token in enumerate(taken)]
+
+    def _undo(self, plan: StepPlan) -> None:
+        for request, _ in plan.batch:
+            if request.seq is not None:
+                self.blocks.unreserve(request)
+        for admission in reversed(self.scheduler.admitted):
+            self.scheduler.unadmit(*admission)
+
+    # ---- requests that move between engines -------------------------------------------------------
+
+    def export_request(self, request_id: int) -> tuple[dict, SequenceKV | None]:
+        """Take a request out of this engine to go on in another: its state as plain data (prompt,
+        output, parameters, its generator's state, weight versions, log-probabilities) and the K
+        and V of its computed tokens (None if it holds none: the other engine recomputes them).
+        Here it ends with finish reason "exported" and its blocks go back."""
+        request = self._get(request_id)
+        if request.is_done:
+            raise ValueError(f"request {request_id} has ended ({request.finish_reason}); only live requests move")
+        if request.samples:
+            raise ValueError(f"request {request_id}'s {len(request.samples)} other samples have not started from its "
+                             "prompt yet; export it once its prompt is computed")
+        kv = self.blocks.pool.export_sequence(request.seq) if request.seq is not None and request.num_computed \
+            else None
+        p = request.params
+        state = {
+            "model": asdict(self.runner.config), "prompt": list(request.prompt), "output": list(request.output),
+            "params": asdict(p) | {"stop_tokens": list(p.stop_tokens), "stop": list(p.stop)},
+            "rng": request.rng.bit_generator.state, "num_computed": len(kv.tokens) if kv else 0,
+            "versions": list(request.versions), "logprobs": list(request.logprobs),
+            "top_logprobs": [[list(pair) for pair in top] for top in request.top_logprobs],
+            "preemptions": request.preemptions, "cached_tokens": request.cached_tokens, "index": request.index}
+        self._end(request, "exported")
+        return state, kv
+
+    def import_request(self, state: dict, kv: SequenceKV | None = None, request_id: int | None = None) -> int:
+        """Go on with a request another engine exported (export_request); returns its id here.
+        With its K and V it joins the running batch as it was; without, it waits to compute its
+        prompt and output again. A state for another model, K and V that do not fit this pool
+        or do not hold its tokens, or no room in the pool raise by name; nothing changes."""
+        if not isinstance(state, dict) or not {"model", "prompt", "output", "params", "rng"} <= set(state):
+            raise ValueError("an imported state is the dict export_request made; got "
+                             f"{type(state).__name__} with keys {sorted(state) if isinstance(state, dict) else '-'}")
+        mine = asdict(self.runner.config)
+        if state["model"] != mine:
+            differ = {k: (state["model"].get(k), mine[k]) for k in mine if state["model"].get(k) != mine[k]}
+            raise ValueError(f"the request ran on another model: (theirs, this engine's) {differ}")
+        p = state["params"]
+        params = SamplingParams(**p | {"stop_tokens": tuple(p["stop_tokens"]), "stop": tuple(p["stop"])})
+        tokens = self._tokens(state["prompt"])
+        output = [int(t) for t in state["output"]]
+        request_id = self._next_id if request_id is None else int(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id} is taken; ids must be unique")
+        self._check_fits(request_id, tokens, params)
+        if kv is not None:
+            if tuple(kv.tokens) != tuple((tokens + output)[:len(kv.tokens)]) or not 0 < len(kv.tokens) <= \
+                    len(tokens) + len(output) - 1:
+                raise ValueError(f"the K and V hold {len(kv.tokens)} tokens that are not the first of request "
+                                 f"{request_id}'s {len(tokens)} prompt and {len(output)} output tokens (less the last)")
+            if self.config.batch_at_once:
+                raise ValueError(f"a request with its K and V joins the running batch; the {self.config.policy!r} "
+                                 "policy fixes a batch when it starts: import it without them to recompute")
+        now = self.clock()
+        request = Request(request_id, tokens, params, arrival_s=now, detokenize=self.detokenize,
+                          output=output, versions=[int(v) for v in state.get("versions", [])],
+                          logprobs=[float(x) for x in state.get("logprobs", [])],
+                          top_logprobs=[tuple((int(t), float(x)) for t, x in top)
+                                        for top in state.get("top_logprobs", [])],
+                          preemptions=int(state.get("preemptions", 0)),
+                          cached_tokens=int(state.get("cached_tokens", 0)), index=int(state.get("index", 0)))
+        request.rng.bit_generator.state = state["rng"]
+        if kv is not None:
+            self.blocks.adopt(request, kv)  # raises, changing nothing, if the pool is short or the layout differs
+            self.scheduler.join(request, now)
+        else:
+            self.scheduler.add(request)
+        self.requests[request_id] = request
+        self._next_id = max(self._next_id, request_id + 1)
+        return request_id
+
+    # ---- weights -----------------------------------------------------------------------------------
+
+    def update_weights(self, state: dict, version: int, in_flight: str = "continue") -> None:
+        """Serve the weights `state` (name -> array, every weight of the model) as `version`,
+        from the next step on. Checked first: a missing, extra or misshapen weight, or one that is
+        not finite, raises ValueError naming it, and nothing changes. The prefix cache is flushed
+        (its K and V came from the old weights). Requests in flight: "continue" keeps their K and V
+        and goes on with the new weights (each token records its version), "recompute" sends every
+        request holding K and V back to compute its prompt and output again on the new weights."""
+        if self.model is None:
+            raise ValueError("this engine runs without a model (the simulator's); it has no weights to update")
+        check_in_flight(in_flight)
+        self.apply_weights(self.model.prepare_weights(state, version), in_flight)
+
+    def apply_weights(self, prepared, in_flight: str = "continue") -> None:
+        """Swap in weights that `model.prepare_weights` checked and laid out (perhaps in another
+        thread, while the engine ran): the between-steps part of update_weights."""
+        check_in_flight(in_flight)
+        if in_flight == "recompute":
+            self.scheduler.recompute_all()
+        self.blocks.flush_prefix_cache()
+        self.model.swap_weights(prepared)
+
+    @property
+    def weight_version(self) -> int:
+        return self.runner.weight_version
 
     @property
     def has_unfinished(self) -> bool:
@@ -232,8 +419,7 @@ class Engine:
             now = self.clock()
             while position < len(pending) and origin + pending[position].arrival_s <= now:
                 timed = pending[position]
-                request_params = SamplingParams(params.temperature, params.top_k, params.top_p,
-                                                params.seed + position, timed.max_tokens, params.stop_tokens)
+                request_params = replace(params, seed=params.seed + position, max_tokens=timed.max_tokens)
                 ids.append(self.add_request(timed.prompt, request_params, arrival_s=origin + timed.arrival_s))
                 position += 1
             upcoming = origin + pending[position].arrival_s if position < len(pending) else None

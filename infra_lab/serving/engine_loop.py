@@ -10,7 +10,9 @@ With nothing to run it sleeps on the condition (no busy wait), or until the sche
 decision (a dynamic batch's deadline).
 
 Each request gets a `RequestHandle`: iterate it, with `for` in a thread or `async for` in a
-task, for its `TokenEvent`s; the last one carries the finish reason. Requests take the caller's
+task, for its `TokenEvent`s (token, log-probability, weight version, finish reason, and which of
+n samples); each sample's last event carries its finish reason. `update_weights` checks and lays
+out new weights in the caller's thread and swaps them in between two steps. Requests take the caller's
 string id or a generated one. When `max_waiting` requests already wait, `submit` raises
 `Overloaded` with an estimate of when to retry. `shutdown(drain=True)` serves what was
 submitted and stops the thread; `shutdown(drain=False)` aborts it.
@@ -22,14 +24,20 @@ import itertools
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from typing import NamedTuple
 
+from infra_lab.serving.engine import check_in_flight
 from infra_lab.serving.request import SamplingParams
 
 
 class TokenEvent(NamedTuple):  # a tuple: made once per token per request, in the loop's thread
-    token: int | None  # None only for the event that ends an aborted request
-    finish_reason: str | None  # None until the request's last event: "stop", "length", "abort"
+    token: int | None  # None only for the event that ends an aborted (or exported) sample
+    logprob: float | None  # the token's log-probability, if the request asked (SamplingParams.logprobs)
+    weight_version: int  # of the weights that produced the token
+    finish_reason: str | None  # None until the sample's last event: "stop", "length", "abort"
+    index: int = 0  # which of the request's n samples
+    top_logprobs: tuple[tuple[int, float], ...] | None = None  # the likeliest tokens there, with theirs
 
 
 class Overloaded(RuntimeError):
@@ -47,11 +55,12 @@ class LoopStopped(RuntimeError):
 
 class RequestHandle:
     """One request's events, written by the loop's thread and read by any number of readers
-    (each iteration starts from the first event)."""
+    (each iteration starts from the first event). With n samples, the events of all of them,
+    in the order they were made; it ends when every sample has."""
 
-    def __init__(self, request_id: str):
+    def __init__(self, request_id: str, n: int = 1):
         self.request_id = request_id
-        self.finish_reason: str | None = None
+        self.finish_reasons: list[str | None] = [None] * n  # each sample's, once it ends
         self._events: list[TokenEvent] = []
         self._error: BaseException | None = None
         self._changed = threading.Condition()
@@ -59,21 +68,46 @@ class RequestHandle:
         self._engine_id: int | None = None  # set by the loop's thread when the engine takes it
 
     @property
-    def tokens(self) -> list[int]:
+    def finish_reason(self) -> str | None:
+        """The first sample's finish reason (None until it ends)."""
+        return self.finish_reasons[0]
+
+    @property
+    def samples(self) -> list[list[int]]:
+        """Each sample's tokens so far."""
         with self._changed:
-            return [e.token for e in self._events if e.token is not None]
+            out = [[] for _ in self.finish_reasons]
+            for event in self._events:
+                if event.token is not None:
+                    out[event.index].append(event.token)
+            return out
+
+    @property
+    def tokens(self) -> list[int]:
+        """The first sample's tokens so far."""
+        return self.samples[0]
+
+    @property
+    def events(self) -> list[TokenEvent]:
+        with self._changed:
+            return list(self._events)
 
     @property
     def done(self) -> bool:
         with self._changed:
-            return self.finish_reason is not None or self._error is not None
+            return self._ended or self._error is not None
+
+    @property
+    def _ended(self) -> bool:
+        return all(reason is not None for reason in self.finish_reasons)
 
     def _push(self, events: list[TokenEvent] = (), error: BaseException | None = None) -> None:
         with self._changed:
             self._events.extend(events)
-            if events and events[-1].finish_reason is not None:
-                self.finish_reason = events[-1].finish_reason
-            if error is not None and self.finish_reason is None:
+            for event in events:
+                if event.finish_reason is not None:
+                    self.finish_reasons[event.index] = event.finish_reason
+            if error is not None and not self._ended:
                 self._error = error
             self._changed.notify_all()
             wakers = list(self._wakers)
@@ -82,7 +116,7 @@ class RequestHandle:
 
     def _after(self, seen: int) -> tuple[list[TokenEvent], bool, BaseException | None]:
         """Events after the first `seen`, whether the request has ended, its error."""
-        return self._events[seen:], self.finish_reason is not None, self._error
+        return self._events[seen:], self._ended, self._error
 
     @staticmethod
     def _over(new: list, ended: bool, error: BaseException | None) -> bool:
@@ -148,7 +182,8 @@ class EngineLoop:
             raise ValueError("the engine already has requests in flight; a loop must be its only caller")
         self.engine, self.max_waiting = engine, max_waiting
         self._wake = threading.Condition()
-        self._inbox: list[tuple] = []  # ("add", handle, tokens, params) or ("abort", request id)
+        self._inbox: list[tuple] = []  # ("add", handle, tokens, params), ("abort", request id) or
+        # ("weights", prepared, in_flight, future)
         self._handles: dict[str, RequestHandle] = {}  # every request ever submitted, by id
         self._live: dict[int, RequestHandle] = {}  # engine id -> handle, until the request ends
         self._waiting = 0  # submitted and not yet run: in the inbox or waiting in the engine
@@ -157,6 +192,7 @@ class EngineLoop:
         self._ids = itertools.count()
         self._finishes: deque[float] = deque(maxlen=64)  # when recent requests ended (perf_counter)
         self._step_s: deque[float] = deque(maxlen=64)  # recent step times
+        self.weight_swaps_s: list[float] = []  # each weight update's time in the loop's thread
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         if start:
             self.start()
@@ -184,7 +220,7 @@ class EngineLoop:
             self.engine._check_fits(request_id, tokens, params)  # the config's rules: safe beside a step
             if self._waiting >= self.max_waiting:
                 raise Overloaded(self._waiting, self.max_waiting, self._retry_after_s(params))
-            handle = RequestHandle(request_id)
+            handle = RequestHandle(request_id, params.n)
             self._handles[request_id] = handle
             self._inbox.append(("add", handle, tokens, params))
             self._waiting += 1
@@ -203,6 +239,25 @@ class EngineLoop:
             self._wake.notify()
         return True
 
+    def update_weights(self, state: dict, version: int, in_flight: str = "continue",
+                       timeout_s: float | None = None) -> float:
+        """Serve new weights from the next step on (Engine.update_weights: checked by name first,
+        the prefix cache flushed, requests in flight continued or recomputed). The checking and
+        the derived copies are made here, in the caller's thread, while the loop goes on stepping;
+        the loop's thread only swaps them in between two steps. Returns once they serve, with the
+        seconds the swap took in the loop's thread (the pause the update put between two steps)."""
+        if self.engine.model is None:
+            raise ValueError("this engine runs without a model (the simulator's); it has no weights to update")
+        check_in_flight(in_flight)
+        prepared = self.engine.model.prepare_weights(state, version)  # raises by name; nothing changed
+        applied: Future = Future()
+        with self._wake:
+            self._check_running()
+            self._inbox.append(("weights", prepared, in_flight, applied))
+            self._wake.notify()
+        applied.result(timeout_s)
+        return self.weight_swaps_s[-1]
+
     def shutdown(self, drain: bool = True, timeout_s: float | None = None) -> None:
         """Stop taking requests; serve those submitted (drain) or abort them, then stop the thread."""
         with self._wake:
@@ -215,7 +270,9 @@ class EngineLoop:
         elif not self._thread.ident:  # never started: end what was queued
             for item in self._take_inbox():
                 if item[0] == "add":
-                    item[1]._push([TokenEvent(None, "abort")])
+                    item[1]._push(self._endings(item[1], "abort"))
+                elif item[0] == "weights":
+                    item[3].set_exception(LoopStopped("the engine loop was shut down before it started"))
 
     def __enter__(self):
         return self
@@ -276,9 +333,12 @@ class EngineLoop:
             with self._wake:
                 self._failure = error
                 handles = list(self._live.values()) + [i[1] for i in self._inbox if i[0] == "add"]
+                updates = [i[3] for i in self._inbox if i[0] == "weights"]
                 self._inbox = []
             for handle in handles:
                 handle._push(error=LoopStopped(f"the engine loop failed: {error!r}"))
+            for applied in updates:
+                applied.set_exception(LoopStopped(f"the engine loop failed: {error!r}"))
 
     def _apply(self, inbox: list[tuple]) -> None:
         engine = self.engine
@@ -289,7 +349,16 @@ class EngineLoop:
                 self._live[handle._engine_id] = handle
                 request = engine.requests[handle._engine_id]
                 if request.is_done:  # rejected by the engine's own max_waiting
-                    self._end(handle._engine_id, [TokenEvent(None, request.finish_reason)])
+                    self._end(handle._engine_id, self._endings(handle, request.finish_reason))
+            elif item[0] == "weights":
+                _, prepared, in_flight, applied = item
+                try:
+                    started = time.perf_counter()
+                    engine.apply_weights(prepared, in_flight)
+                    self.weight_swaps_s.append(time.perf_counter() - started)
+                    applied.set_result(None)
+                except Exception as error:  # noqa: BLE001 - the caller hears of it, the loop goes on
+                    applied.set_exception(error)
             elif self._handles[item[1]]._engine_id in self._live:
                 self._abort(self._handles[item[1]]._engine_id)
         self._recount()
@@ -302,8 +371,15 @@ class EngineLoop:
                 sum(1 for engine_id in self._live if requests[engine_id].admitted_s is None)
 
     def _abort(self, engine_id: int) -> None:
+        handle = self._live[engine_id]
         self.engine.abort(engine_id)
-        self._end(engine_id, [TokenEvent(None, "abort")])
+        self._end(engine_id, self._endings(handle, "abort"))
+
+    def _endings(self, handle: RequestHandle, reason: str) -> list[TokenEvent]:
+        """One token-less event per sample of `handle` that has not ended, with `reason`."""
+        version = self.engine.weight_version
+        return [TokenEvent(None, None, version, reason, index)
+                for index, done in enumerate(handle.finish_reasons) if done is None]
 
     def _end(self, engine_id: int, events: list[TokenEvent]) -> None:
         handle = self._live.pop(engine_id)
@@ -324,10 +400,11 @@ class EngineLoop:
         self._step_s.append(time.perf_counter() - started)
         events: dict[int, list[TokenEvent]] = {}
         for out in outputs:
-            events.setdefault(out.request_id, []).append(
-                TokenEvent(out.token, out.finish_reason if out.finished else None))
+            events.setdefault(out.request_id, []).append(TokenEvent(
+                out.token, out.logprob, out.weight_version, out.finish_reason if out.finished else None, out.index,
+                out.top_logprobs))
         for engine_id, produced in events.items():
-            if engine.requests[engine_id].is_done:
+            if all(request.is_done for request in engine.group(engine_id)):
                 self._end(engine_id, produced)
             else:
                 self._live[engine_id]._push(produced)

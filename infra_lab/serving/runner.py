@@ -1,15 +1,20 @@
 """The model runner: one forward over a mixed batch per engine step (chapter 05).
 
 Given what a scheduler chose, each request with how many of its uncomputed tokens to run (a
-prefill chunk, or the one token it generated last), the runner makes room in the KV pool, builds
-the step's metadata (kv.metadata), runs the model's one `step` over every token at once, and
-samples a next token for each request whose tokens are now all computed. It makes no choices of
-its own: the scheduler above it decides who runs, and how much.
+prefill chunk, or the one token it generated last), the runner builds the step's metadata
+(kv.metadata) from the block tables, runs the model's one `step` over every token at once (which
+writes each token's K and V into the slot its table gives), and samples a next token for each
+request whose tokens are now all computed. It makes no choices and keeps no books: the scheduler
+above it decides who runs, and how much; the block manager made room in the pool before the step
+and records what the step computed after it; the engine takes the tokens into the requests.
+`run(batch) -> RunnerOutput` is the whole interface, so that another runner (the simulator's, a
+speculative one, a prefill-only or a remote one) plugs into the same engine.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -19,62 +24,107 @@ from infra_lab.model.generate import sample
 from infra_lab.serving.request import Request, RequestState
 
 
+@dataclass
+class RunnerOutput:
+    """What one step computed, by request id (requests of the batch; a sample waiting to fork
+    from a prompt that ended in this step gets its first token here too)."""
+    computed: dict[int, list[int]] = field(default_factory=dict)  # tokens whose K and V the step wrote
+    kept: dict[int, int] = field(default_factory=dict)  # how many of them stand (drafts may be rejected)
+    tokens: dict[int, list[int]] = field(default_factory=dict)  # new tokens, for requests that made some
+    logprobs: dict[int, list[float]] = field(default_factory=dict)  # each new token's, if its request asks
+    top_logprobs: dict[int, list[tuple]] = field(default_factory=dict)  # ((token, logprob), ...) per token
+    verdicts: dict[int, tuple[int, int]] = field(default_factory=dict)  # speculative: (drafted, accepted)
+    weight_version: int = 0  # of the weights that ran the step
+    forward_s: float = 0.0  # in the model's forward (the engine's clock)
+    draft_s: float = 0.0  # in the drafter
+
+
+def log_softmax(rows: np.ndarray) -> np.ndarray:
+    """(..., vocab) logits -> log-probabilities, in float64."""
+    rows = np.asarray(rows, np.float64)
+    shifted = rows - rows.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def token_logprobs(rows: np.ndarray, tokens: list[int], k: int) -> tuple[list[float], list[tuple]]:
+    """Each token's log-probability under its row of logits (the model's own distribution, at
+    temperature 1, before any cut, as vLLM's default), and the row's k likeliest tokens with theirs."""
+    logp = log_softmax(rows)  # (T, vocab)
+    chosen = [float(logp[i, t]) for i, t in enumerate(tokens)]
+    tops = []
+    for row in logp:
+        best = np.argsort(-row, kind="stable")[:k]
+        tops.append(tuple((int(t), float(row[t])) for t in best))
+    return chosen, tops
+
+
 class ModelRunner:
     def __init__(self, model, pool: PagedKVCache, backend: backends.Backend | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, config=None):
+        """Run `model` over `pool`; a runner without a model (the simulator's) passes the
+        model's `config` instead."""
         self.model, self.pool = model, pool
         self.backend = backend or backends.current()
         self.clock = clock  # seconds; an engine passes its own, a simulator a virtual one
-        self.forward_s = 0.0  # the last step's time in the model's forward alone
-        self.verdicts: dict[int, tuple[int, int]] = {}  # the last step's (drafted, accepted) per request
-        self.vocab, self.context = model.config.vocab, model.config.context
+        self.config = config or model.config  # the model's shape: what an imported request must match
+        self.vocab, self.context = self.config.vocab, self.config.context
 
-    def run(self, batch: list[tuple[Request, int]], now_s: float | None = None) -> dict[int, list[int]]:
+    @property
+    def weight_version(self) -> int:
+        return getattr(self.model, "version", 0)
+
+    def run(self, batch: list[tuple[Request, int]]) -> RunnerOutput:
         """Run one step: request r computes its next n uncomputed tokens, for each (r, n) in
-        `batch` (a speculative runner adds drafted tokens after a decode's one). Returns
-        {request_id: [tokens]} for the requests that produced tokens. All or nothing: on
-        OutOfBlocks (or any error) no request changes and the pool is as it was."""
+        `batch` (a speculative runner adds drafted tokens after a decode's one), in the room the
+        block manager reserved. Changes no request and no block table: on any error the pool's
+        books are as they were (the slots written belong to no committed token)."""
         self._check(batch)
-        fresh = [request for request, _ in batch if request.seq is None]
-        for request in fresh:
-            request.seq = self.pool.new_sequence()
-        seqs = [request.seq for request, _ in batch]
-        try:
-            drafts = self._draft(batch)  # (B,) tokens to verify after each request's n; none here
-            chunks = [request.next_tokens(n) + list(draft) for (request, n), draft in zip(batch, drafts)]
-            counts = [len(chunk) for chunk in chunks]
-            with self.pool.undo_on_error(seqs):
-                self.pool.reserve_all(seqs, counts)
-                meta = self.pool.step_metadata(seqs, counts)
-                tokens = np.array([t for chunk in chunks for t in chunk], np.int64)  # (N,)
-                started = self.clock()
-                logits = self._forward(tokens, meta)  # (N, vocab)
-                self.forward_s = self.clock() - started
-        except Exception:
-            for request in fresh:  # sequences made for this step go too
-                self.pool.free(request.seq)
-                request.seq = None
-            raise
-        now_s = self.clock() if now_s is None else now_s
-        produced, last_rows = {}, meta.last_rows  # (B,) each request's last row of logits
+        out = RunnerOutput(weight_version=self.weight_version)
+        drafts = self._draft(batch, out)  # (B,) tokens to verify after each request's n; none here
+        chunks = [request.next_tokens(n) + list(draft) for (request, n), draft in zip(batch, drafts)]
+        seqs, counts = [request.seq for request, _ in batch], [len(chunk) for chunk in chunks]
+        meta = self.pool.step_metadata(seqs, counts)  # raises unless the room is reserved
+        tokens = np.array([t for chunk in chunks for t in chunk], np.int64)  # (N,)
+        started = self.clock()
+        logits = self._forward(tokens, meta)  # (N, vocab)
+        out.forward_s = self.clock() - started
+        last_rows = meta.last_rows  # (B,) each request's last row of logits
         greedy = self._greedy(logits, last_rows)  # (B,) argmax of each last row, in one call
         for row, ((request, n), chunk, draft) in enumerate(zip(batch, chunks, drafts)):
-            self.pool.commit(request.seq, chunk)
+            rid = request.request_id
+            out.computed[rid] = chunk
             if draft:
-                tokens = self._verify(request, n, draft, logits, int(meta.query_starts[row]))
-            else:
-                request.num_computed += n
-                if request.num_uncomputed:
-                    continue  # a prefill chunk that did not reach the prompt's end
-                tokens = [int(greedy[row]) if request.params.temperature == 0
-                          else self._sample(logits, int(last_rows[row]), request)]
-            produced[request.request_id] = request.extend(tokens, now_s)
-        return produced
+                self._verify(request, n, draft, logits, int(meta.query_starts[row]), out)
+                continue
+            out.kept[rid] = n
+            if n < request.num_uncomputed:
+                continue  # a prefill chunk that did not reach the prompt's end
+            last = int(last_rows[row])
+            forking = request.samples if not request.output else []  # n samples draw from one prompt
+            for each in [request] + forking:
+                token = int(greedy[row]) if each.params.temperature == 0 and not self._masks(each) \
+                    else self._sample(logits, last, each)
+                self._take(out, each, [token], None if logits is None else logits[last:last + 1])
+        return out
 
-    def _draft(self, batch: list[tuple[Request, int]]) -> list:
+    def release(self, request_ids: list[int]) -> None:
+        """These requests ended (finished, aborted, exported): a runner that keeps state per
+        request (a drafter's cache) drops theirs. The model runner keeps none."""
+
+    def _take(self, out: RunnerOutput, request: Request, tokens: list[int], rows) -> None:
+        """Record `request`'s new tokens, with their log-probabilities from `rows` (one per token)
+        when it asks for them."""
+        rid = request.request_id
+        out.tokens[rid] = tokens
+        k = request.params.logprobs
+        if k is not None and rows is not None:
+            out.logprobs[rid], out.top_logprobs[rid] = token_logprobs(rows, tokens, k)
+
+    def _draft(self, batch: list[tuple[Request, int]], out: RunnerOutput) -> list:
         return [()] * len(batch)
 
-    def _verify(self, request: Request, n: int, draft, logits: np.ndarray, first_row: int) -> list[int]:
+    def _verify(self, request: Request, n: int, draft, logits: np.ndarray, first_row: int,
+                out: RunnerOutput) -> None:
         raise NotImplementedError("only a speculative runner drafts")
 
     def _forward(self, tokens: np.ndarray, meta) -> np.ndarray:
@@ -85,15 +135,23 @@ class ModelRunner:
         return logits[last_rows].argmax(axis=1)  # what sample() returns at temperature 0
 
     @staticmethod
-    def _sample(logits: np.ndarray, row: int, request: Request) -> int:
-        p = request.params
-        return sample(logits[row], p.temperature, p.top_k, p.top_p, request.rng)
+    def _masks(request: Request) -> bool:
+        """Before min_tokens, the request's stop tokens cannot be drawn (vLLM's min_tokens)."""
+        return bool(request.params.stop_tokens) and not request.may_stop
 
-    def release(self, request: Request) -> None:
-        """Hand back a request's blocks (it finished, was aborted, or is preempted to recompute)."""
-        if request.seq is not None:
-            self.pool.free(request.seq)
-            request.seq, request.num_computed = None, 0
+    @staticmethod
+    def masked(row: np.ndarray, request: Request, ahead: int = 0) -> np.ndarray:
+        """(vocab,) logits with the stop tokens ruled out while the request's output, `ahead`
+        tokens from now, is shorter than min_tokens."""
+        if not request.params.stop_tokens or len(request.output) + ahead >= request.params.min_tokens:
+            return row
+        row = np.array(row, copy=True)
+        row[list(request.params.stop_tokens)] = -np.inf
+        return row
+
+    def _sample(self, logits: np.ndarray, row: int, request: Request) -> int:
+        p = request.params
+        return sample(self.masked(logits[row], request), p.temperature, p.top_k, p.top_p, request.rng)
 
     def _check(self, batch: list[tuple[Request, int]]) -> None:
         if not batch:
@@ -105,6 +163,9 @@ class ModelRunner:
             if request.is_done or request.state is not RequestState.RUNNING:
                 raise ValueError(f"request {request.request_id} is {request.state.value}; only running requests "
                                  "take part in a step")
+            if request.seq is None:
+                raise ValueError(f"request {request.request_id} holds no sequence in the pool; the block "
+                                 "manager starts it before it runs")
             if not 1 <= n <= request.num_uncomputed:
                 raise ValueError(f"request {request.request_id} has {request.num_uncomputed} uncomputed tokens; "
                                  f"a step can run 1 to that many, not {n}")

@@ -50,6 +50,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()  # arrival order; preempted requests rejoin at the head
         self.running: list[Request] = []  # admission order: the last one is the first victim
         self.swapped: deque[Request] = deque()  # preempted to host memory, oldest first
+        self.admitted: list[tuple[Request, float | None, int]] = []  # the last schedule's admissions, with
+        # each one's admitted_s and cached_tokens before it: what undoing them restores
 
     # ---- queues ------------------------------------------------------------------------------
 
@@ -77,9 +79,43 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------------
 
     def schedule(self, now_s: float) -> StepPlan:
+        self.admitted = []
         if self.config.batch_at_once:
             return self._schedule_batch(now_s)
         return self._schedule_iteration(now_s)
+
+    def join(self, request: Request, now_s: float) -> None:
+        """A sample of an n > 1 request joins the running batch: it forked from its prompt's
+        blocks in the step that computed them, and its first token is drawn."""
+        request.state, request.admitted_s = RequestState.RUNNING, now_s
+        self.running.append(request)
+
+    def unadmit(self, request: Request, admitted_s: float | None, cached_tokens: int) -> None:
+        """Undo an admission (the step it was admitted for failed): it waits again, first in line."""
+        self.running.remove(request)
+        self.blocks.release(request)
+        request.state, request.admitted_s, request.cached_tokens = RequestState.WAITING, admitted_s, cached_tokens
+        self.waiting.appendleft(request)
+
+    def recompute_all(self) -> None:
+        """Every request holding K and V (in the pool or swapped out) gives it back and waits, in
+        its order, to compute its prompt and output again (new weights make the old K and V wrong)."""
+        for request in reversed(self.swapped):
+            self.blocks.drop(request)
+            request.state = RequestState.PREEMPTED
+            self.waiting.appendleft(request)
+        self.swapped.clear()
+        if self.config.batch_at_once:  # a static batch keeps its members: they recompute in place
+            for request in self.running:
+                if not request.is_done:
+                    self.blocks.release(request)
+                    self.blocks.start(request)
+            return
+        for request in reversed(self.running):
+            self.blocks.release(request)
+            request.state = RequestState.PREEMPTED
+            self.waiting.appendleft(request)
+        self.running.clear()
 
     def finished(self, request: Request) -> None:
         """A request finished in the last step: its blocks go back, unless a static batch holds them."""
@@ -99,13 +135,14 @@ class Scheduler:
             self.running.clear()
 
     def _schedule_batch(self, now_s: float) -> StepPlan:
+        plan = StepPlan()
         if not self.running:
             self._form_batch(now_s)
-        plan = StepPlan()
         for request in self.running:
             if request.is_done:
                 plan.held.append(request)
             else:
+                self.blocks.reserve(request, request.num_uncomputed)  # fits: the batch started with its worst case
                 plan.batch.append((request, request.num_uncomputed))
         return plan
 
@@ -158,8 +195,8 @@ class Scheduler:
         if self.swapped:
             return plan  # swapped requests come back before new ones are admitted
         for request in self._admission_order():
-            if len(self.running) >= config.max_batch or plan.budget == 0:
-                break
+            if len(self.running) + 1 + len(request.samples) > config.max_batch or plan.budget == 0:
+                break  # (an n > 1 request's samples join the batch when its prompt is computed)
             if not config.chunked and request.num_uncomputed - self.blocks.cached_prefix(request) > plan.budget:
                 break  # the whole prompt must fit this step's budget; keep the queue's order
             cached = self.blocks.start(request)  # its cached prefix is locked from here on
@@ -169,8 +206,8 @@ class Scheduler:
                 self.blocks.release(request)  # undo the start; it waits
                 break
             self.waiting.remove(request)
-            request.cached_tokens += cached
             self._admit(request, now_s)
+            request.cached_tokens += cached
             self._plan(request, n, plan, extra)
         return plan
 
@@ -178,7 +215,7 @@ class Scheduler:
         """Put `request` in the step with `n` tokens, and room for `draft_room` drafted ones after
         them (speculative decoding); their blocks are reserved now, so the room that later
         requests see is what is really left."""
-        self.blocks.pool.reserve(request.seq, n + draft_room)
+        self.blocks.reserve(request, n + draft_room)
         request.draft_room = draft_room
         plan.batch.append((request, n))
         plan.budget -= n + draft_room
@@ -198,6 +235,7 @@ class Scheduler:
         return list(self.waiting)
 
     def _admit(self, request: Request, now_s: float) -> None:
+        self.admitted.append((request, request.admitted_s, request.cached_tokens))
         if request.seq is None:
             request.cached_tokens += self.blocks.start(request)
         request.state = RequestState.RUNNING

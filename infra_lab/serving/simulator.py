@@ -74,10 +74,8 @@ class SimulatedRunner(ModelRunner):
     reservations, metadata and commits, no model; every request samples token 0."""
 
     def __init__(self, time_model: StepTimeModel, pool: PagedKVCache, clock: VirtualClock):
-        self.time_model, self.pool, self.clock = time_model, pool, clock
-        self.vocab, self.context = time_model.config.vocab, time_model.config.context
-        self.forward_s = 0.0
-        self.verdicts = {}
+        super().__init__(None, pool, clock=clock, config=time_model.config)
+        self.time_model = time_model
 
     def _forward(self, tokens: np.ndarray, meta) -> None:
         query_lens = np.diff(meta.query_starts)
@@ -121,36 +119,45 @@ CALIBRATION_STEPS = (  # (sequences, tokens each, context before): decodes, pref
 )
 
 
-def time_steps(model, backend, steps=CALIBRATION_STEPS, repeats: int = 5) -> list[tuple[list[tuple[int, int]], float]]:
+def time_steps(model, backend, steps=CALIBRATION_STEPS, repeats: int = 5,
+               block_size: int = 16) -> list[tuple[list[tuple[int, int]], float]]:
     """Time the real engine's runner on steps of the given shapes, each step a list of (new tokens,
     context) per sequence: the best of `repeats`, through ModelRunner.run (metadata, forward,
-    sampling), as the engine runs them. Each shape's contexts are prefilled once, untimed, and
-    every repeat runs on forks of them. Returns (sequences as (context, new), seconds) pairs."""
+    sampling), as the engine runs them, over a pool of `block_size`-token blocks. Each shape's
+    contexts are prefilled once, untimed, and every repeat runs on forks of them. Returns
+    (sequences as (context, new), seconds) pairs."""
     import time
 
     from infra_lab.serving.request import RequestState, SamplingParams
 
     samples = []
     for shape in steps:
-        blocks = sum(-(-(context + new + 1) // 16) for new, context in shape)
-        runner = ModelRunner(model, model.new_paged_cache(2 * blocks + 8, 16, backend=backend), backend)
+        blocks = sum(-(-(context + new + 1) // block_size) for new, context in shape)
+        pool = model.new_paged_cache(2 * blocks + 8, block_size, backend=backend)
+        runner = ModelRunner(model, pool, backend)
         parents = [Request(i, [int(t) for t in np.arange(context + new) % 200 + 32], SamplingParams(max_tokens=2),
                            state=RequestState.RUNNING) for i, (new, context) in enumerate(shape)]
         filled = [(parent, context) for parent, (_, context) in zip(parents, shape) if context]
+        for parent, context in filled:  # the contexts, in one untimed step
+            parent.seq = pool.new_sequence()
+            pool.reserve(parent.seq, context)
         if filled:
-            runner.run(filled)  # the contexts, in one untimed step
+            for parent, chunk in runner.run(filled).computed.items():
+                pool.commit(parents[parent].seq, chunk)
         best = float("inf")
         for _ in range(repeats):
             batch = []
             for parent, (new, context) in zip(parents, shape):
                 child = Request(parent.request_id, parent.prompt, parent.params, state=RequestState.RUNNING)
-                if parent.seq is not None:  # shares the parent's blocks; its first write copies the last one
-                    child.seq, child.num_computed = runner.pool.fork(parent.seq), context
+                # shares the parent's blocks; its first write copies the last one
+                child.seq = pool.fork(parent.seq) if parent.seq is not None else pool.new_sequence()
+                child.num_computed = context
+                pool.reserve(child.seq, new)
                 batch.append((child, new))
             started = time.perf_counter()
             runner.run(batch)
             best = min(best, time.perf_counter() - started)
             for child, _ in batch:
-                runner.release(child)
+                pool.free(child.seq)
         samples.append(([(context, new) for new, context in shape], best))
     return samples

@@ -5,18 +5,17 @@ blocks, and the step's token budget), as vLLM's lookahead slots; a prompt's last
 room too, so a request's first tokens are speculated as well. Before the forward, every such
 request in the batch gets a draft, all drafted together; the one forward then runs the prefill
 chunks, the decodes and their drafts side by side through the extend kernel. Each
-request keeps its own accepted length: the target's verdict (serving.speculative.accept), then
-`truncate` rolls its sequence back past the rejected tokens, and whole blocks go back to the pool.
+request keeps its own accepted length: the target's verdict (serving.speculative.accept), which
+the runner reports as the tokens `kept`; the block manager then rolls the sequence back past the
+rejected ones, and whole blocks go back to the pool.
 """
 from __future__ import annotations
-
-import time
 
 import numpy as np
 
 from infra_lab.serving.drafters import Draft, Drafter, DraftJob
 from infra_lab.serving.request import Request
-from infra_lab.serving.runner import ModelRunner
+from infra_lab.serving.runner import ModelRunner, RunnerOutput
 from infra_lab.serving.speculative import Tally, accept, check_draft, check_gamma
 
 
@@ -28,40 +27,34 @@ class SpeculativeRunner(ModelRunner):
         super().__init__(model, pool, backend, clock)
         self.drafter, self.gamma, self.rule = drafter, check_gamma(gamma), rule
         self.tally = Tally(self.gamma)  # α and tokens per forward over the engine's life
-        self.draft_s = 0.0  # the last step's time in the drafter
 
-    def run(self, batch: list[tuple[Request, int]], now_s: float | None = None) -> dict[int, list[int]]:
-        produced = super().run(batch, now_s)
-        for request, _ in batch:  # room the scheduler reserved for drafts that were never made (none found,
-            if request.seq is not None:  # or none allowed near max_tokens) goes back: a table holds what is computed
-                self.pool.truncate(request.seq, self.pool.lengths[request.seq])
-        # A request that finished in this step is in no later batch: its draft state goes now.
-        self.drafter.retain([request.request_id for request, _ in batch if not request.is_done])
-        return produced
+    def release(self, request_ids: list[int]) -> None:
+        for request_id in request_ids:  # their draft model's cache goes too
+            self.drafter.forget(request_id)
 
-    def _draft(self, batch: list[tuple[Request, int]]) -> list:
+    def _draft(self, batch: list[tuple[Request, int]], out: RunnerOutput) -> list:
         jobs, where = [], []
         for row, (request, n) in enumerate(batch):
             k = min(request.draft_room, request.params.max_tokens - len(request.output) - 1)
             if k > 0 and n == request.num_uncomputed:  # a decode, or a prompt's last chunk
                 jobs.append(DraftJob(request.request_id, request.tokens, k, request.params, request.rng))
                 where.append(row)
-        self.verdicts = {}
-        started = time.perf_counter()
+        started = self.clock()
         self.drafter.retain([request.request_id for request, _ in batch])
         proposed = self.drafter.propose(jobs) if jobs else []
-        self.draft_s = time.perf_counter() - started
+        out.draft_s = self.clock() - started
         drafts: list = [()] * len(batch)
         for row, job, draft in zip(where, jobs, proposed):
             drafts[row] = check_draft(draft, job.k, self.drafter)
         return drafts
 
-    def _verify(self, request: Request, n: int, draft: Draft, logits: np.ndarray, first_row: int) -> list[int]:
+    def _verify(self, request: Request, n: int, draft: Draft, logits: np.ndarray, first_row: int,
+                out: RunnerOutput) -> None:
         """The verdict on the draft after request's n tokens (rows first_row .. + n + len(draft))."""
         rows = logits[first_row + n - 1:first_row + n + len(draft)]  # (k + 1, vocab): before each draft, and after
+        rows = np.stack([self.masked(row, request, j) for j, row in enumerate(rows)])
         verdict = accept(rows, draft, request.params, request.rng, self.rule)
-        request.num_computed += n + verdict.accepted
-        self.pool.truncate(request.seq, request.num_computed)  # the rejected drafts' K and V go
+        out.kept[request.request_id] = n + verdict.accepted  # the rejected drafts' K and V go
         self.tally.add(len(draft), verdict)
-        self.verdicts[request.request_id] = (len(draft), verdict.accepted)
-        return list(verdict.tokens)
+        out.verdicts[request.request_id] = (len(draft), verdict.accepted)
+        self._take(out, request, list(verdict.tokens), rows[:len(verdict.tokens)])
