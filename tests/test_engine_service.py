@@ -455,3 +455,25 @@ def test_a_loop_serves_n_samples_with_their_logprobs_and_versions(target):
                                "numba")
     assert all(e.logprob is not None and e.logprob <= 0 and e.weight_version == 0 for e in streamed)
     assert len(streamed) == 18
+
+
+def test_a_request_moves_between_two_loops_mid_stream(target):
+    """Loop A streams 4 tokens of a seeded request, exports it between two steps (its handle ends
+    "exported"), loop B imports it and streams the rest: together, the tokens it gets alone."""
+    prompt, params = prompt_of(15, 9), SamplingParams(temperature=0.8, seed=4, max_tokens=16)
+    with EngineLoop(Engine(target, CONFIG, NUMBA)) as a, EngineLoop(Engine(target, CONFIG, NUMBA)) as b:
+        first = a.submit(prompt, params, request_id="r")
+        for count, _ in enumerate(first, 1):
+            if count == 4:
+                state, kv = a.export("r")
+        with pytest.raises(ValueError, match="has ended \\(exported\\); only live requests move"):
+            a.export("r")
+        with pytest.raises(KeyError, match="no request 'nobody'"):
+            a.export("nobody")
+        with pytest.raises(ValueError, match="the request ran on another model"):
+            b.import_request(state | {"model": state["model"] | {"n_layers": 9}}, kv, request_id="r")
+        second = b.import_request(state, kv, request_id="r")
+        rest = second.result(60)
+    assert first.finish_reason == "exported" and second.finish_reason == "length"
+    assert state["output"] == first.tokens and first.tokens + rest == alone(target, prompt, params, "numba")
+    check_clean(a.engine), check_clean(b.engine)

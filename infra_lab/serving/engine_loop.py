@@ -12,7 +12,8 @@ decision (a dynamic batch's deadline).
 Each request gets a `RequestHandle`: iterate it, with `for` in a thread or `async for` in a
 task, for its `TokenEvent`s (token, log-probability, weight version, finish reason, and which of
 n samples); each sample's last event carries its finish reason. `update_weights` checks and lays
-out new weights in the caller's thread and swaps them in between two steps. Requests take the caller's
+out new weights in the caller's thread and swaps them in between two steps; `export` and
+`import_request` move a request, with its K and V, to another loop's engine. Requests take the caller's
 string id or a generated one. When `max_waiting` requests already wait, `submit` raises
 `Overloaded` with an estimate of when to retry. `shutdown(drain=True)` serves what was
 submitted and stops the thread; `shutdown(drain=False)` aborts it.
@@ -182,17 +183,20 @@ class EngineLoop:
             raise ValueError("the engine already has requests in flight; a loop must be its only caller")
         self.engine, self.max_waiting = engine, max_waiting
         self._wake = threading.Condition()
-        self._inbox: list[tuple] = []  # ("add", handle, tokens, params), ("abort", request id) or
-        # ("weights", prepared, in_flight, future)
+        self._inbox: list[tuple] = []  # ("add", handle, tokens, params), ("abort", request id), or work
+        # between two steps with a future for its result: ("weights" | "export" | "import", *args, future)
         self._handles: dict[str, RequestHandle] = {}  # every request ever submitted, by id
         self._live: dict[int, RequestHandle] = {}  # engine id -> handle, until the request ends
         self._waiting = 0  # submitted and not yet run: in the inbox or waiting in the engine
+        self._queued = 0  # of them, in the inbox
+        self._unstarted: set[int] = set()  # of them, in the engine (the loop's thread's own)
         self._stopping: str | None = None  # "drain" or "abort" once shutdown is called
         self._failure: BaseException | None = None
         self._ids = itertools.count()
         self._finishes: deque[float] = deque(maxlen=64)  # when recent requests ended (perf_counter)
         self._step_s: deque[float] = deque(maxlen=64)  # recent step times
-        self.weight_swaps_s: list[float] = []  # each weight update's time in the loop's thread
+        self.weight_swaps: list[tuple[float, float]] = []  # each weight update in the loop's thread: (when it
+        # began on the engine's clock, seconds it took)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         if start:
             self.start()
@@ -224,6 +228,7 @@ class EngineLoop:
             self._handles[request_id] = handle
             self._inbox.append(("add", handle, tokens, params))
             self._waiting += 1
+            self._queued += 1
             self._wake.notify()
         return handle
 
@@ -250,13 +255,47 @@ class EngineLoop:
             raise ValueError("this engine runs without a model (the simulator's); it has no weights to update")
         check_in_flight(in_flight)
         prepared = self.engine.model.prepare_weights(state, version)  # raises by name; nothing changed
-        applied: Future = Future()
+        return self._between_steps("weights", prepared, in_flight, timeout_s=timeout_s)
+
+    def export(self, request_id: str, timeout_s: float | None = None) -> tuple:
+        """Take a live one-sample request out of the engine between two steps, to go on in another
+        (Engine.export_request): (state as plain data, its K and V). Its handle here ends with
+        finish reason "exported"."""
+        with self._wake:
+            if request_id not in self._handles:
+                raise KeyError(f"no request {request_id!r}")
+            samples = len(self._handles[request_id].finish_reasons)
+            if samples > 1:
+                raise ValueError(f"request {request_id!r} has {samples} samples; requests move one sample at a time")
+        return self._between_steps("export", request_id, timeout_s=timeout_s)
+
+    def import_request(self, state: dict, kv=None, request_id: str | None = None,
+                       timeout_s: float | None = None) -> RequestHandle:
+        """Go on with a request another engine exported (Engine.import_request); returns its handle,
+        which streams the tokens made here. Raises as Engine.import_request does, changing nothing."""
         with self._wake:
             self._check_running()
-            self._inbox.append(("weights", prepared, in_flight, applied))
+            request_id = self._new_id() if request_id is None else request_id
+            if not isinstance(request_id, str) or not request_id or request_id in self._handles:
+                raise ValueError(f"a request id must be a new, non-empty string; got {request_id!r}")
+            handle = RequestHandle(request_id)
+            self._handles[request_id] = handle
+        try:
+            self._between_steps("import", handle, state, kv, timeout_s=timeout_s)
+        except BaseException:
+            with self._wake:
+                del self._handles[request_id]
+            raise
+        return handle
+
+    def _between_steps(self, kind: str, *args, timeout_s: float | None = None):
+        """Have the loop's thread do `kind` between two steps; its result, or its error raised here."""
+        done: Future = Future()
+        with self._wake:
+            self._check_running()
+            self._inbox.append((kind, *args, done))
             self._wake.notify()
-        applied.result(timeout_s)
-        return self.weight_swaps_s[-1]
+        return done.result(timeout_s)
 
     def shutdown(self, drain: bool = True, timeout_s: float | None = None) -> None:
         """Stop taking requests; serve those submitted (drain) or abort them, then stop the thread."""
@@ -271,8 +310,8 @@ class EngineLoop:
             for item in self._take_inbox():
                 if item[0] == "add":
                     item[1]._push(self._endings(item[1], "abort"))
-                elif item[0] == "weights":
-                    item[3].set_exception(LoopStopped("the engine loop was shut down before it started"))
+                elif item[0] != "abort":
+                    item[-1].set_exception(LoopStopped("the engine loop was shut down before it started"))
 
     def __enter__(self):
         return self
@@ -308,7 +347,7 @@ class EngineLoop:
 
     def _take_inbox(self) -> list[tuple]:
         with self._wake:
-            inbox, self._inbox = self._inbox, []
+            inbox, self._inbox, self._queued = self._inbox, [], 0
             return inbox
 
     def _run(self) -> None:
@@ -333,7 +372,7 @@ class EngineLoop:
             with self._wake:
                 self._failure = error
                 handles = list(self._live.values()) + [i[1] for i in self._inbox if i[0] == "add"]
-                updates = [i[3] for i in self._inbox if i[0] == "weights"]
+                updates = [i[-1] for i in self._inbox if i[0] not in ("add", "abort")]
                 self._inbox = []
             for handle in handles:
                 handle._push(error=LoopStopped(f"the engine loop failed: {error!r}"))
@@ -347,18 +386,15 @@ class EngineLoop:
                 _, handle, tokens, params = item
                 handle._engine_id = engine.add_request(tokens, params)
                 self._live[handle._engine_id] = handle
+                self._unstarted.add(handle._engine_id)
                 request = engine.requests[handle._engine_id]
                 if request.is_done:  # rejected by the engine's own max_waiting
                     self._end(handle._engine_id, self._endings(handle, request.finish_reason))
-            elif item[0] == "weights":
-                _, prepared, in_flight, applied = item
+            elif item[0] in ("weights", "export", "import"):
                 try:
-                    started = time.perf_counter()
-                    engine.apply_weights(prepared, in_flight)
-                    self.weight_swaps_s.append(time.perf_counter() - started)
-                    applied.set_result(None)
+                    item[-1].set_result(getattr(self, "_" + item[0])(*item[1:-1]))
                 except Exception as error:  # noqa: BLE001 - the caller hears of it, the loop goes on
-                    applied.set_exception(error)
+                    item[-1].set_exception(error)
             elif self._handles[item[1]]._engine_id in self._live:
                 self._abort(self._handles[item[1]]._engine_id)
         self._recount()
@@ -366,9 +402,27 @@ class EngineLoop:
     def _recount(self) -> None:
         """Requests that have not run yet: queued in the inbox, or waiting for their first step."""
         requests = self.engine.requests
+        self._unstarted = {i for i in self._unstarted if i in self._live and requests[i].admitted_s is None}
         with self._wake:
-            self._waiting = sum(1 for item in self._inbox if item[0] == "add") + \
-                sum(1 for engine_id in self._live if requests[engine_id].admitted_s is None)
+            self._waiting = self._queued + len(self._unstarted)
+
+    def _weights(self, prepared, in_flight: str) -> float:
+        began, started = self.engine.clock(), time.perf_counter()
+        self.engine.apply_weights(prepared, in_flight)
+        self.weight_swaps.append((began, time.perf_counter() - started))
+        return self.weight_swaps[-1][1]
+
+    def _export(self, request_id: str) -> tuple:
+        handle = self._handles[request_id]
+        if handle._engine_id not in self._live:
+            raise ValueError(f"request {request_id!r} has ended ({handle.finish_reason}); only live requests move")
+        moved = self.engine.export_request(handle._engine_id)
+        self._end(handle._engine_id, self._endings(handle, "exported"))
+        return moved
+
+    def _import(self, handle: RequestHandle, state: dict, kv) -> None:
+        handle._engine_id = self.engine.import_request(state, kv)
+        self._live[handle._engine_id] = handle
 
     def _abort(self, engine_id: int) -> None:
         handle = self._live[engine_id]
@@ -403,8 +457,10 @@ class EngineLoop:
             events.setdefault(out.request_id, []).append(TokenEvent(
                 out.token, out.logprob, out.weight_version, out.finish_reason if out.finished else None, out.index,
                 out.top_logprobs))
+        groups = engine.groups
         for engine_id, produced in events.items():
-            if all(request.is_done for request in engine.group(engine_id)):
+            if (all(request.is_done for request in groups[engine_id]) if engine_id in groups
+                    else produced[-1].finish_reason is not None):
                 self._end(engine_id, produced)
             else:
                 self._live[engine_id]._push(produced)

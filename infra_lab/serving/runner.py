@@ -46,15 +46,18 @@ def log_softmax(rows: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
 
-def token_logprobs(rows: np.ndarray, tokens: list[int], k: int) -> tuple[list[float], list[tuple]]:
-    """Each token's log-probability under its row of logits (the model's own distribution, at
-    temperature 1, before any cut, as vLLM's default), and the row's k likeliest tokens with theirs."""
+def token_logprobs(rows: np.ndarray, tokens: list[int], ks: list[int]) -> tuple[list[float], list[tuple]]:
+    """Each token's log-probability under its row of logits (T, vocab) (the model's own
+    distribution, at temperature 1, before any cut, as vLLM's default), and its row's ks[i]
+    likeliest tokens with theirs: one batched softmax and one sort for all the rows."""
     logp = log_softmax(rows)  # (T, vocab)
-    chosen = [float(logp[i, t]) for i, t in enumerate(tokens)]
-    tops = []
-    for row in logp:
-        best = np.argsort(-row, kind="stable")[:k]
-        tops.append(tuple((int(t), float(row[t])) for t in best))
+    chosen = logp[np.arange(len(tokens)), tokens].tolist()
+    most = min(max(ks), logp.shape[1])
+    best = np.argpartition(-logp, most - 1, axis=1)[:, :most] if most else np.zeros((len(tokens), 0), np.int64)
+    values = np.take_along_axis(logp, best, axis=1)  # (T, most): the likeliest, in no order yet
+    order = np.lexsort((best, -values), axis=1)  # likeliest first; ties by token id, as a stable sort
+    best, values = np.take_along_axis(best, order, axis=1), np.take_along_axis(values, order, axis=1)
+    tops = [tuple(zip(best[i, :k].tolist(), values[i, :k].tolist())) for i, k in enumerate(ks)]
     return chosen, tops
 
 
@@ -90,6 +93,7 @@ class ModelRunner:
         out.forward_s = self.clock() - started
         last_rows = meta.last_rows  # (B,) each request's last row of logits
         greedy = self._greedy(logits, last_rows)  # (B,) argmax of each last row, in one call
+        scored: list[tuple[Request, int, int]] = []  # (request, token, its row): log-probabilities asked
         for row, ((request, n), chunk, draft) in enumerate(zip(batch, chunks, drafts)):
             rid = request.request_id
             out.computed[rid] = chunk
@@ -104,7 +108,14 @@ class ModelRunner:
             for each in [request] + forking:
                 token = int(greedy[row]) if each.params.temperature == 0 and not self._masks(each) \
                     else self._sample(logits, last, each)
-                self._take(out, each, [token], None if logits is None else logits[last:last + 1])
+                out.tokens[each.request_id] = [token]
+                if each.params.logprobs is not None and logits is not None:
+                    scored.append((each, token, last))
+        if scored:  # one batched log-softmax for every request that asked
+            chosen, tops = token_logprobs(logits[[row for _, _, row in scored]], [t for _, t, _ in scored],
+                                          [each.params.logprobs for each, _, _ in scored])
+            for (each, _, _), logprob, top in zip(scored, chosen, tops):
+                out.logprobs[each.request_id], out.top_logprobs[each.request_id] = [logprob], [top]
         return out
 
     def release(self, request_ids: list[int]) -> None:
@@ -118,7 +129,7 @@ class ModelRunner:
         out.tokens[rid] = tokens
         k = request.params.logprobs
         if k is not None and rows is not None:
-            out.logprobs[rid], out.top_logprobs[rid] = token_logprobs(rows, tokens, k)
+            out.logprobs[rid], out.top_logprobs[rid] = token_logprobs(rows, tokens, [k] * len(tokens))
 
     def _draft(self, batch: list[tuple[Request, int]], out: RunnerOutput) -> list:
         return [()] * len(batch)
