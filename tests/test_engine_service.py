@@ -427,6 +427,11 @@ def test_bad_requests_are_refused_by_name_and_change_nothing(target):
         (lambda: engine.add_request([1, 2], SamplingParams(n=17)), "n=17 samples run together, more than max_batch 16"),
         (lambda: Engine(target, EngineConfig(policy="static"), NUMBA).add_request([1], SamplingParams(n=2)),
          "the 'static' policy fixes a batch when it starts"),
+        (lambda: EngineConfig(prefix_cache="hash", host_blocks=8, preemption="swap"),
+         "the hash prefix cache keeps swapped-out blocks' digests"),
+        (lambda: EngineConfig(policy="static", prefix_cache="hash"), "the hash prefix cache works with the continuous"),
+        (lambda: EngineConfig(order="random"), "order must be one of 'fcfs', 'longest-prefix', 'dfs-weight'"),
+        (lambda: EngineConfig(order="longest-prefix"), "it needs prefix_cache='radix' or 'hash'"),
     ]
     for call, message in refused:
         with pytest.raises(ValueError, match=message):
@@ -477,3 +482,47 @@ def test_a_request_moves_between_two_loops_mid_stream(target):
     assert first.finish_reason == "exported" and second.finish_reason == "length"
     assert state["output"] == first.tokens and first.tokens + rest == alone(target, prompt, params, "numba")
     check_clean(a.engine), check_clean(b.engine)
+
+
+# ---- prefix caches and admission orders ------------------------------------------------------------
+
+@pytest.mark.parametrize("prefix_cache,block_size,order", [
+    ("hash", 4, "fcfs"), ("hash", 4, "longest-prefix"), ("hash", 4, "dfs-weight"), ("radix", 1, "dfs-weight"),
+    (None, 4, "dfs-weight")])
+def test_every_prefix_cache_and_order_gives_each_request_its_tokens(target, prefix_cache, block_size, order):
+    """Chapter 03's block hashes and chapter 04's tree, both selectable in the engine, under each
+    admission order: prompts that share a prefix are served from the cache (whole blocks for the
+    hashes), every request gets its tokens alone, and every block comes back."""
+    config = EngineConfig(policy="chunked", max_batch=4, token_budget=32, num_blocks=400 // block_size,
+                          block_size=block_size, prefix_cache=prefix_cache, order=order)
+    engine = Engine(target, config, NUMBA)
+    shared = list(b"import os\nimport sys\n\n\ndef main():\n")
+    prompts = [shared + list(tail) for tail in (b"    pass\n", b"    return 0\n", b"    x = 1\n", b"    os.exit()")]
+    prompts += [list(b"class A:\n    pass\n")] + prompts[:2]
+    ids = [engine.add_request(p, SamplingParams(max_tokens=6)) for p in prompts[:2]]
+    finish(engine)
+    ids += [engine.add_request(p, SamplingParams(max_tokens=6)) for p in prompts[2:]]
+    finish(engine)
+    for rid, prompt in zip(ids, prompts):
+        assert engine.requests[rid].output == alone(target, prompt, SamplingParams(max_tokens=6), "numba")
+    cached = [engine.requests[rid].cached_tokens for rid in ids]
+    if prefix_cache is None:
+        assert not any(cached)
+    else:
+        assert min(cached[2:4]) >= len(shared) // block_size * block_size - block_size + 1 and cached[4] == 0
+    check_clean(engine)
+
+
+def test_an_update_forgets_the_block_hashes(target, perturbed):
+    config = EngineConfig(policy="chunked", num_blocks=64, block_size=4, prefix_cache="hash")
+    engine = Engine(model.Transformer(target.config, target.w), config, NUMBA)
+    prompt = prompt_of(30, 8)
+    engine.add_request(prompt, SamplingParams(max_tokens=4))
+    finish(engine)
+    assert engine.blocks.cached_prefix(engine.requests[0]) == 32  # its 33 computed tokens: 8 whole blocks
+    engine.update_weights(perturbed, 1)
+    fresh = engine.add_request(prompt, SamplingParams(max_tokens=4))
+    finish(engine)
+    assert engine.requests[fresh].cached_tokens == 0
+    assert engine.requests[fresh].output == greedy_on(perturbed, prompt, 4)
+    check_clean(engine)

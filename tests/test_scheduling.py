@@ -26,11 +26,11 @@ def test_every_order_is_a_permutation(requests):
     for tokens in requests[: len(requests) // 2]:
         if tokens:
             cache.insert(tokens, np.arange(len(tokens)))
-    for policy in scheduling.POLICIES:
-        order = scheduling.admission_order(policy, requests, cache)
+    for name in scheduling.ORDERS:
+        order = scheduling.admission_order(name, requests, cache)
         assert sorted(order) == list(range(len(requests)))
 
 
-def test_unknown_policy_is_named():
-    with pytest.raises(ValueError, match="unknown policy 'random'; choose one of fcfs, longest-prefix"):
+def test_unknown_order_is_named():
+    with pytest.raises(ValueError, match="unknown order 'random'; choose one of fcfs, longest-prefix"):
         scheduling.admission_order("random", [[1]], RadixCache())

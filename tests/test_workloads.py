@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from infra_lab.serving import workloads
-from infra_lab.serving.scheduling import POLICIES
+from infra_lab.serving.scheduling import ORDERS
 
 
 def test_few_shot_with_room_for_the_shared_examples_serves_80_percent_from_cache():
@@ -15,8 +15,8 @@ def test_few_shot_with_room_for_the_shared_examples_serves_80_percent_from_cache
 
 def test_multi_turn_under_pressure_longest_prefix_is_at_least_fcfs():
     requests = workloads.multi_turn()
-    fcfs = workloads.serve(requests, capacity=3000, policy="fcfs")
-    longest = workloads.serve(requests, capacity=3000, policy="longest-prefix")
+    fcfs = workloads.serve(requests, capacity=3000, order="fcfs")
+    longest = workloads.serve(requests, capacity=3000, order="longest-prefix")
     assert longest.hit_rate >= fcfs.hit_rate
 
 
@@ -31,8 +31,8 @@ def test_the_control_shares_nothing_and_the_tree_shares_more_than_block_hashing(
 
 
 def test_bad_input_is_named():
-    with pytest.raises(ValueError, match="unknown policy 'random'"):
-        workloads.serve([np.arange(10)], 100, policy="random")
+    with pytest.raises(ValueError, match="unknown order 'random'"):
+        workloads.serve([np.arange(10)], 100, order="random")
     with pytest.raises(ValueError, match="capacity 5 is smaller than the longest prompt, 10"):
         workloads.serve([np.arange(10)], 5)
     for serve in (workloads.serve, workloads.serve_block_hashing):
@@ -82,17 +82,17 @@ prompts = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=10).map(np.a
 
 @settings(max_examples=60, deadline=None)
 @given(requests=prompts, extra=st.integers(0, 60), batch=st.integers(1, 6),
-       policy=st.sampled_from(POLICIES))
-def test_no_cache_serves_more_than_every_prefix_computed_once(requests, extra, batch, policy):
+       order=st.sampled_from(ORDERS))
+def test_no_cache_serves_more_than_every_prefix_computed_once(requests, extra, batch, order):
     total = sum(len(r) for r in requests)
     bound = total - distinct_prefixes(requests)
     capacity = max(len(r) for r in requests) + extra
-    served = workloads.serve(requests, capacity, policy, batch)
+    served = workloads.serve(requests, capacity, order, batch)
     assert served.prompt_tokens == total and 0 <= served.cached_tokens <= bound
     hashed = workloads.serve_block_hashing(requests, 16 * capacity, block_size=2, batch=batch)
     assert 0 <= hashed.cached_tokens <= bound
     # a cache that never evicts reaches the bound in any admission order
-    assert workloads.serve(requests, total, policy, batch).cached_tokens == bound
+    assert workloads.serve(requests, total, order, batch).cached_tokens == bound
 
 
 def test_block_hashing_loses_a_chain_from_its_tail_and_keeps_the_head():
@@ -101,5 +101,5 @@ def test_block_hashing_loses_a_chain_from_its_tail_and_keeps_the_head():
     blocks serve more than the tree in arrival order (chapter 04 measures why)."""
     requests = workloads.few_shot()
     hashed = workloads.serve_block_hashing(requests, 1000)
-    tree = workloads.serve(requests, 1000, policy="fcfs")
+    tree = workloads.serve(requests, 1000, order="fcfs")
     assert hashed.hit_rate > 1.5 * tree.hit_rate

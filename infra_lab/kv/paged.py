@@ -279,6 +279,28 @@ class PagedKVCache:
             self.block_hash[block], self.hash_to_block[digest] = digest, block
             self.block_tokens[block] = chunk
 
+    def peek_prefix(self, tokens) -> int:
+        """How many of `tokens`' leading tokens whole cached blocks hold, without taking them
+        (match_prefix would take as many for tokens one longer: it leaves the last one out)."""
+        if not self.prefix_sharing:
+            return 0
+        tokens, digest, matched = [int(t) for t in tokens], ROOT_DIGEST, 0
+        while (matched + 1) * self.block_size <= len(tokens):
+            chunk = tuple(tokens[matched * self.block_size:(matched + 1) * self.block_size])
+            digest = chain_digest(digest, chunk)
+            block = self.hash_to_block.get(digest)
+            if block is None or self.block_tokens[block] != chunk:
+                break
+            matched += 1
+        return matched * self.block_size
+
+    def forget_prefixes(self) -> None:
+        """Empty the prefix index: no block is found by its tokens any more, and blocks kept only
+        for it are free (new weights make their K and V wrong). Live sequences keep their blocks."""
+        self.hash_to_block.clear(), self.block_hash.clear(), self.block_tokens.clear()
+        while self.allocator.cached:
+            self.allocator.free_ids.append(self.allocator.cached.popitem(last=False)[0])
+
     def match_prefix(self, seq: int, tokens) -> int:
         """For a new, empty sequence: take the cached full blocks that its first tokens match;
         return how many tokens they cover (the caller computes only the rest)."""

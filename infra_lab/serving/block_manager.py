@@ -21,16 +21,25 @@ from infra_lab.serving.request import Request
 
 
 class BlockManager:
-    def __init__(self, pool: PagedKVCache, radix: bool = False, host_blocks: int = 0):
+    def __init__(self, pool: PagedKVCache, radix: bool = False, host_blocks: int = 0,
+                 tree: RadixCache | None = None):
+        """Books for `pool`; with `radix`, through a radix tree (`tree`, an empty one of the
+        caller's, or a new one), which holds one reference to each slot it caches."""
         if radix and pool.block_size != 1:
             raise ValueError(f"the radix cache needs a pool of one-token blocks; got block_size {pool.block_size}")
+        if tree is not None and (not radix or tree.total_size):
+            raise ValueError("tree must be an empty RadixCache, with radix=True: a tree's slots belong to the pool "
+                             f"it was filled from (got radix={radix}, {tree.total_size} tokens cached)")
         self.pool = pool
-        self.tree = RadixCache(free_slots=pool.release) if radix else None
+        self.tree = (tree or RadixCache()) if radix else None
+        if self.tree is not None:
+            self.tree.free_slots = pool.release
         self.host = HostPool(pool, host_blocks) if host_blocks else None
         self.locked: dict[int, Node] = {}  # request id -> the tree node its cached prefix ends at
         self.swapped: dict[int, SwappedSequence] = {}  # request id -> its blocks in host memory
         self.stale_trees: list[RadixCache] = []  # trees flushed by a weight update, emptied as their locks go
         self.forks = 0  # samples started from another sample's blocks
+        self.evicted_tokens = 0  # cached tokens the tree let go of to make room
 
     def reserve(self, request: Request, n_tokens: int) -> None:
         """Room in the request's blocks for its next `n_tokens` (OutOfBlocks, nothing changed, if short)."""
@@ -69,6 +78,7 @@ class BlockManager:
     def flush_prefix_cache(self) -> None:
         """Forget every cached prefix (new weights make their K and V wrong). Prefixes that running
         requests hold stay theirs, and leave with them; no new request will match them."""
+        self.pool.forget_prefixes()
         if not self.tree:
             return
         old = self.tree
@@ -93,9 +103,16 @@ class BlockManager:
         """Blocks a request could get now: free ones, and those the tree could evict."""
         return self.pool.num_free + (self.tree.evictable_size if self.tree else 0)
 
+    @property
+    def prefix_index(self):
+        """What finds cached prefixes (peek_prefix(tokens) -> tokens held): the tree, the pool's
+        block hashes, or None."""
+        return self.tree or (self.pool if self.pool.prefix_sharing else None)
+
     def cached_prefix(self, request: Request) -> int:
-        """Tokens of `request` the tree holds (at most all but its last: one must run for logits)."""
-        return self.tree.peek_prefix(request.tokens[:-1]) if self.tree else 0
+        """Tokens of `request` the cache holds (at most all but its last: one must run for logits)."""
+        index = self.prefix_index
+        return index.peek_prefix(request.tokens[:-1]) if index is not None else 0
 
     def blocks_needed(self, request: Request, n_new: int) -> int:
         """Blocks the request's next `n_new` tokens take (a request not started yet starts after
@@ -111,14 +128,14 @@ class BlockManager:
             return True
         if n_blocks > self.available:
             return False
-        self.tree.evict(n_blocks - self.pool.num_free)
+        self.evicted_tokens += self.tree.evict(n_blocks - self.pool.num_free)
         return self.pool.num_free >= n_blocks
 
     def start(self, request: Request) -> int:
         """Give a request a sequence in the pool, after its cached prefix (locked against eviction);
         return how many tokens the cache served. An admission that fails is undone by `release`."""
         seq = self.pool.new_sequence()
-        matched = 0
+        matched = self.pool.match_prefix(seq, request.tokens)  # whole blocks the hash index holds (0 without)
         if self.tree:
             matched, slots, node = self.tree.match_prefix(request.tokens[:-1])
             self.tree.lock(node)

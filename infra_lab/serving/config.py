@@ -1,5 +1,6 @@
-"""The engine's settings: memory (KV pool, swap space, prefix cache) and scheduling (policy,
-batch, token budget, chunk size, preemption), checked once, with errors that name the setting.
+"""The engine's settings: memory (KV pool, swap space, prefix cache) and scheduling (the batching
+policy, admission order, batch, token budget, chunk size, preemption), checked once, with errors
+that name the setting.
 
 The names follow vLLM's where there is one: `max_batch` is its max_num_seqs, `token_budget` its
 max_num_batched_tokens, `chunk_size` its long_prefill_token_threshold, `num_speculative_tokens`
@@ -9,10 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from infra_lab.serving import scheduling
+
 POLICIES = ("static", "dynamic", "continuous", "chunked")
 PREEMPTION = ("recompute", "swap")
-ORDERS = ("fcfs", "longest-prefix")
-PREFIX_CACHES = (None, "radix")
+ORDERS = scheduling.ORDERS  # admission order: "fcfs", "longest-prefix", "dfs-weight"
+PREFIX_CACHES = (None, "radix", "hash")
 
 
 @dataclass(frozen=True)
@@ -25,8 +28,9 @@ class EngineConfig:
     block_size: int = 16  # tokens per block
     host_blocks: int = 0  # swap space in host memory, in blocks; 0: preempt by recompute only
     preemption: str = "recompute"  # what a preempted request loses: "recompute" its KV, or "swap" it out
-    prefix_cache: str | None = None  # "radix": chapter 04's tree over the pool (block_size 1)
-    order: str = "fcfs"  # which waiting request is admitted first
+    prefix_cache: str | None = None  # "radix": chapter 04's tree over the pool (block_size 1); "hash":
+    # chapter 03's block hashes (vLLM's automatic prefix caching: whole blocks, any block size)
+    order: str = "fcfs"  # which waiting request is admitted first (serving.scheduling); one of ORDERS
     max_len: int | None = None  # dynamic batching: longest prompt + max_tokens a batch takes
     max_wait_s: float = 0.0  # dynamic batching: how long a partial batch waits to fill up
     max_waiting: int | None = None  # requests allowed to wait; more are rejected (None: no limit)
@@ -57,11 +61,15 @@ class EngineConfig:
         if self.prefix_cache == "radix" and self.block_size != 1:
             raise ValueError(f"the radix cache keeps one KV slot per token, so it needs block_size 1 (as "
                              f"SGLang's page size 1); got block_size {self.block_size}")
-        if self.prefix_cache == "radix" and self.policy in ("static", "dynamic"):
-            raise ValueError(f"the radix cache works with the continuous and chunked policies; got {self.policy!r}")
+        if self.prefix_cache is not None and self.policy in ("static", "dynamic"):
+            raise ValueError(f"the {self.prefix_cache} prefix cache works with the continuous and chunked policies; "
+                             f"got {self.policy!r}")
+        if self.prefix_cache == "hash" and self.preemption == "swap":
+            raise ValueError("the hash prefix cache keeps swapped-out blocks' digests in the pool; swap preemption "
+                             "needs prefix_cache=None or 'radix'")
         if self.order == "longest-prefix" and self.prefix_cache is None:
             raise ValueError("order='longest-prefix' ranks requests by their cached prefix: it needs "
-                             "prefix_cache='radix'")
+                             "prefix_cache='radix' or 'hash'")
         if self.policy == "dynamic" and (self.max_len is None or self.max_len < 2):
             raise ValueError(f"dynamic batching needs max_len >= 2 (prompt + max_tokens); got {self.max_len}")
         if self.max_wait_s < 0:

@@ -79,7 +79,8 @@ class Engine:
             if model is None:
                 raise ValueError("an engine needs a model, or a runner (the simulator's)")
             backend = backend or backends.current()
-            pool = model.new_paged_cache(self.config.num_blocks, self.config.block_size, backend=backend)
+            pool = model.new_paged_cache(self.config.num_blocks, self.config.block_size,
+                                         prefix_sharing=self.config.prefix_cache == "hash", backend=backend)
             if drafter is not None:
                 check_drafter(drafter, model)
                 runner = SpeculativeRunner(model, pool, backend, self.clock, drafter, gamma, acceptance_rule)
@@ -149,32 +150,16 @@ class Engine:
         return tokens
 
     def _check_fits(self, request_id: int, tokens: list[int], params: SamplingParams) -> None:
-        config, total = self.config, len(tokens) + params.max_tokens
-        longest = total - 1  # tokens whose K and V are ever stored: the last one sampled is not run
-        where = f"request {request_id}: {len(tokens)} prompt tokens + max_tokens {params.max_tokens}"
+        """Raise ValueError naming why a request could never run: the model's context, a stop
+        string without a detokenizer, then the scheduler's rules (Scheduler.check_fits)."""
+        total = len(tokens) + params.max_tokens
         if total > self.runner.context:
-            raise ValueError(f"{where} = {total} exceeds the model's context of {self.runner.context} tokens")
-        pool_tokens = self.blocks.capacity_tokens
-        if (total if config.batch_at_once else longest) > pool_tokens:
-            raise ValueError(f"{where} needs more KV than the whole pool holds ({config.num_blocks} blocks of "
-                             f"{config.block_size} = {pool_tokens} tokens)")
-        if params.n > 1 and config.batch_at_once:
-            raise ValueError(f"request {request_id}: n={params.n} samples join the running batch when their prompt "
-                             f"is computed; the {config.policy!r} policy fixes a batch when it starts: use "
-                             "'continuous' or 'chunked'")
-        if params.n > config.max_batch:
-            raise ValueError(f"request {request_id}: n={params.n} samples run together, more than max_batch "
-                             f"{config.max_batch}")
+            raise ValueError(f"request {request_id}: {len(tokens)} prompt tokens + max_tokens {params.max_tokens} = "
+                             f"{total} exceeds the model's context of {self.runner.context} tokens")
         if params.stop and self.detokenize is None:
             raise ValueError(f"request {request_id}: stop strings {params.stop!r} need a detokenizer; this engine's "
                              f"vocabulary of {self.runner.vocab} tokens is not bytes: pass detokenize=")
-        if config.policy == "dynamic" and total > config.max_len:
-            raise ValueError(f"{where} = {total} is longer than dynamic batching's max_len {config.max_len}: "
-                             "the published loop would never take it, and never end")
-        if config.policy == "continuous" and longest > config.token_budget:
-            raise ValueError(f"{where}: without chunking, a prompt (or its recompute after a preemption, "
-                             f"up to {longest} tokens) must fit one step's token_budget {config.token_budget}; "
-                             "use policy='chunked' or a larger budget")
+        self.scheduler.check_fits(request_id, len(tokens), params)
 
     def abort(self, request_id: int) -> bool:
         """Cancel a request (with n > 1, every sample of it); its blocks go back at once. False if

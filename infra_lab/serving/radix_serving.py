@@ -7,7 +7,8 @@ Each request: match its prompt (all but the last token, whose logits are needed)
 lock the matched path, take slots for the rest (evicting least-recently-used leaves when the pool
 is short), prefill the unmatched tail after the cached prefix, decode greedily, then insert the
 prompt and answer into the tree and unlock. Without the tree, every request prefills its whole
-prompt into slots it frees at the end.
+prompt into slots it frees at the end. The tree's bookkeeping is the engine's block manager
+(serving.block_manager), the one path through which chapter 05's engine caches prefixes too.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import numpy as np
 from infra_lab import backend as backends
 from infra_lab.kv.radix import RadixCache
 from infra_lab.model import corpus, tokenizer
+from infra_lab.serving.block_manager import BlockManager
+from infra_lab.serving.request import Request, RequestState
 from infra_lab.serving.workloads import PrefixHits
 
 
@@ -53,39 +56,26 @@ def serve_model(model, prompts: list, max_new_tokens: int, n_slots: int, radix: 
                          f"of the run that filled it (got radix={radix}, {cache.total_size} tokens cached)")
     backend = backend or backends.current()
     pool = model.new_paged_cache(n_slots, block_size=1, backend=backend)  # a slot is a block of one token
-    tree = (cache if cache is not None else RadixCache()) if radix else None
-    if tree is not None:
-        tree.free_slots = pool.release  # the tree holds one reference to each slot it caches
-    outputs, cached, evicted, prefill_seconds = [], 0, 0, 0.0
+    blocks = BlockManager(pool, radix=radix, tree=cache)  # the engine's books: a tree's slots are held once
+    outputs, cached, prefill_seconds = [], 0, 0.0
     started = time.perf_counter()
-    for tokens in encoded:
-        matched, prefix_slots, node = tree.match_prefix(tokens[:-1]) if tree else (0, np.zeros(0, np.int64), None)
-        if tree:
-            tree.lock(node)
-        seq = pool.new_sequence()
+    for i, tokens in enumerate(encoded):
+        request = Request(i, tokens, state=RequestState.RUNNING)
+        matched = blocks.start(request)  # the cached prefix, locked; its slots head the block table
         try:
-            pool.attach_prefix(seq, prefix_slots, tokens[:matched])
-            need = len(tokens) - matched + max_new_tokens - 1
-            if tree and need > pool.num_free:
-                evicted += tree.evict(need - pool.num_free)
-            view = pool.view(seq)
+            blocks.make_room(len(tokens) - matched + max_new_tokens - 1)  # evicting LRU leaves if short
+            view = pool.view(request.seq)
             prefill_started = time.perf_counter()
             out = [int(np.argmax(model.forward(tokens[matched:], view, backend)[-1]))]
             prefill_seconds += time.perf_counter() - prefill_started
             for _ in range(max_new_tokens - 1):
                 out.append(int(np.argmax(model.forward(out[-1:], view, backend)[-1])))
-            if tree:  # the last answer token has no KV yet
-                slots = np.asarray(pool.tables[seq], np.int64)
-                pool.hold(slots[matched:])  # the tree's reference to the new slots
-                tree.insert(tokens + out[:-1], slots)  # keeps them, or hands back duplicates
         finally:
-            pool.free(seq)
-            if tree:
-                tree.unlock(node)
+            blocks.release(request)  # the prompt and answer (less the last token) go into the tree
         outputs.append(out)
         cached += matched
     return ModelServed(outputs, sum(len(t) for t in encoded), cached, prefill_seconds,
-                       time.perf_counter() - started, evicted, n_slots - pool.num_free)
+                       time.perf_counter() - started, blocks.evicted_tokens, n_slots - pool.num_free)
 
 
 def module_opening(source: bytes, prefix_bytes: int) -> bytes:

@@ -126,6 +126,11 @@ class Request:
         return self.state in (RequestState.FINISHED, RequestState.ABORTED)
 
     @property
+    def draftable(self) -> int:
+        """Tokens a draft may propose after the next one (the target's own token fills the last place)."""
+        return self.params.max_tokens - len(self.output) - 1
+
+    @property
     def may_stop(self) -> bool:
         """Stop tokens and strings count from min_tokens output tokens on."""
         return len(self.output) >= self.params.min_tokens

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from infra_lab.serving import scheduling
 from infra_lab.serving.block_manager import BlockManager
 from infra_lab.serving.config import EngineConfig
 from infra_lab.serving.request import Request, RequestState
@@ -52,6 +53,34 @@ class Scheduler:
         self.swapped: deque[Request] = deque()  # preempted to host memory, oldest first
         self.admitted: list[tuple[Request, float | None, int]] = []  # the last schedule's admissions, with
         # each one's admitted_s and cached_tokens before it: what undoing them restores
+
+    # ---- admission: can a request ever run? ---------------------------------------------------------
+
+    def check_fits(self, request_id, prompt_tokens: int, params) -> None:
+        """Raise ValueError naming the rule a request of `prompt_tokens` with `params` breaks, one
+        that no wait would cure: the engine asks when the request is added (or imported), so that
+        every request in the queues is one this scheduler's admission can take once there is room."""
+        config, total = self.config, prompt_tokens + params.max_tokens
+        longest = total - 1  # tokens whose K and V are ever stored: the last one sampled is not run
+        where = f"request {request_id}: {prompt_tokens} prompt tokens + max_tokens {params.max_tokens}"
+        pool_tokens = self.blocks.capacity_tokens
+        if (total if config.batch_at_once else longest) > pool_tokens:
+            raise ValueError(f"{where} needs more KV than the whole pool holds ({config.num_blocks} blocks of "
+                             f"{config.block_size} = {pool_tokens} tokens)")
+        if params.n > 1 and config.batch_at_once:
+            raise ValueError(f"request {request_id}: n={params.n} samples join the running batch when their prompt "
+                             f"is computed; the {config.policy!r} policy fixes a batch when it starts: use "
+                             "'continuous' or 'chunked'")
+        if params.n > config.max_batch:
+            raise ValueError(f"request {request_id}: n={params.n} samples run together, more than max_batch "
+                             f"{config.max_batch}")
+        if config.policy == "dynamic" and total > config.max_len:
+            raise ValueError(f"{where} = {total} is longer than dynamic batching's max_len {config.max_len}: "
+                             "the published loop would never take it, and never end")
+        if config.policy == "continuous" and longest > config.token_budget:
+            raise ValueError(f"{where}: without chunking, a prompt (or its recompute after a preemption, "
+                             f"up to {longest} tokens) must fit one step's token_budget {config.token_budget}; "
+                             "use policy='chunked' or a larger budget")
 
     # ---- queues ------------------------------------------------------------------------------
 
@@ -179,37 +208,43 @@ class Scheduler:
                 self._plan(request, n, plan, extra)
         if plan.preempted:
             return plan  # memory is short: admit nothing until the running ones need less
-        while self.swapped and len(self.running) < config.max_batch and plan.budget > 0:
-            request = self.swapped[0]
-            n = min(request.num_uncomputed, config.prefill_chunk, plan.budget)
-            extra = self._draft_room(request, n, plan)
-            if not self.blocks.make_room(self.blocks.swap_in_blocks(request, n + extra)):
-                return plan
-            self.swapped.popleft()
-            self.blocks.swap_in(request)
+        # swapped requests come back before new ones are admitted, oldest first; then the waiting
+        # ones in admission order; the first that does not fit ends admission (order holds)
+        for request in list(self.swapped) + self._admission_order():
+            if len(self.running) + 1 + len(request.samples) > config.max_batch or plan.budget == 0:
+                break  # (an n > 1 request's samples join the batch when its prompt is computed)
+            if not self._admit_into(request, plan, now_s):
+                break
+        return plan
+
+    def _admit_into(self, request: Request, plan: StepPlan, now_s: float) -> bool:
+        """Admit a swapped or waiting request into this step if the step's budget and the pool
+        have room for its next chunk (and its drafts); False, with nothing changed, if not."""
+        config, blocks = self.config, self.blocks
+        swapped = request.request_id in blocks.swapped
+        if not swapped and not config.chunked and request.num_uncomputed - blocks.cached_prefix(request) > plan.budget:
+            return False  # without chunking, the whole prompt must fit this step's budget
+        cached = 0 if swapped else blocks.start(request)  # its cached prefix is locked from here on
+        n = min(request.num_uncomputed, config.prefill_chunk, plan.budget)
+        extra = self._draft_room(request, n, plan)
+        need = blocks.swap_in_blocks(request, n + extra) if swapped else blocks.blocks_needed(request, n + extra)
+        if not blocks.make_room(need):
+            if not swapped:
+                blocks.release(request)  # undo the start; it waits
+            return False
+        if swapped:
+            self.swapped.remove(request)
+            blocks.swap_in(request)
             self.running.append(request)
             request.state = RequestState.RUNNING
             plan.swapped_in.append(request)
             self._room_for(request, n + extra, plan)  # made above: the swapped blocks plus the new tokens'
-            self._plan(request, n, plan, extra)
-        if self.swapped:
-            return plan  # swapped requests come back before new ones are admitted
-        for request in self._admission_order():
-            if len(self.running) + 1 + len(request.samples) > config.max_batch or plan.budget == 0:
-                break  # (an n > 1 request's samples join the batch when its prompt is computed)
-            if not config.chunked and request.num_uncomputed - self.blocks.cached_prefix(request) > plan.budget:
-                break  # the whole prompt must fit this step's budget; keep the queue's order
-            cached = self.blocks.start(request)  # its cached prefix is locked from here on
-            n = min(request.num_uncomputed, config.prefill_chunk, plan.budget)
-            extra = self._draft_room(request, n, plan)
-            if not self.blocks.make_room(self.blocks.blocks_needed(request, n + extra)):
-                self.blocks.release(request)  # undo the start; it waits
-                break
+        else:
             self.waiting.remove(request)
             self._admit(request, now_s)
             request.cached_tokens += cached
-            self._plan(request, n, plan, extra)
-        return plan
+        self._plan(request, n, plan, extra)
+        return True
 
     def _plan(self, request: Request, n: int, plan: StepPlan, draft_room: int = 0) -> None:
         """Put `request` in the step with `n` tokens, and room for `draft_room` drafted ones after
@@ -226,13 +261,17 @@ class Scheduler:
         prompt's last chunk); they count against the budget and need blocks like any token."""
         if n < request.num_uncomputed:
             return 0
-        left = request.params.max_tokens - len(request.output) - 1  # the target's own token fills the last place
-        return max(min(self.config.num_speculative_tokens, plan.budget - n, left), 0)
+        return max(min(self.config.num_speculative_tokens, plan.budget - n, request.draftable), 0)
 
     def _admission_order(self) -> list[Request]:
-        if self.config.order == "longest-prefix":
-            return sorted(self.waiting, key=lambda r: -self.blocks.cached_prefix(r))  # stable: ties by arrival
-        return list(self.waiting)
+        """The waiting requests in the config's order (serving.scheduling); a request's cached
+        prefix is that of all but its last token, which must run for logits."""
+        waiting = list(self.waiting)
+        if self.config.order == "fcfs":
+            return waiting
+        indices = scheduling.admission_order(self.config.order, [r.tokens[:-1] for r in waiting],
+                                             self.blocks.prefix_index)
+        return [waiting[i] for i in indices]
 
     def _admit(self, request: Request, now_s: float) -> None:
         self.admitted.append((request, request.admitted_s, request.cached_tokens))

@@ -1,4 +1,5 @@
-"""Cache-aware scheduling: the order in which a batch of waiting requests is admitted.
+"""Cache-aware scheduling: the order in which a batch of waiting requests is admitted (the
+engine's `EngineConfig.order`; "policy" is the batching policy there, never the order).
 
 First come first served, longest cached prefix first, and SGLang's DFS-weight order, which walks
 the waiting prompts as a tree so requests sharing a prefix run back to back (Zheng et al.,
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 from infra_lab.kv.radix import RadixCache
 
-POLICIES = ("fcfs", "longest-prefix", "dfs-weight")
+ORDERS = ("fcfs", "longest-prefix", "dfs-weight")
 
 
 def fcfs(requests: list) -> list[int]:
@@ -17,7 +18,8 @@ def fcfs(requests: list) -> list[int]:
 
 
 def longest_prefix_first(requests: list, cache: RadixCache) -> list[int]:
-    """Requests whose prompts the cache already holds most of go first (ties keep arrival order)."""
+    """Requests whose prompts the cache already holds most of go first (ties keep arrival order).
+    `cache` is a RadixCache, or any cache with its peek_prefix(tokens) (the engine's block hashes)."""
     matched = [cache.peek_prefix(tokens) for tokens in requests]
     return sorted(range(len(requests)), key=lambda i: -matched[i])
 
@@ -42,12 +44,12 @@ def dfs_weight(requests: list) -> list[int]:
     return order
 
 
-def admission_order(policy: str, waiting: list, cache: RadixCache) -> list[int]:
-    """Indices of `waiting` in the order the named policy (one of POLICIES) admits them."""
-    if policy == "fcfs":
+def admission_order(order: str, waiting: list, cache: RadixCache | None) -> list[int]:
+    """Indices of `waiting` (token sequences) in the named order (one of ORDERS)."""
+    if order == "fcfs":
         return fcfs(waiting)
-    if policy == "longest-prefix":
+    if order == "longest-prefix":
         return longest_prefix_first(waiting, cache)
-    if policy == "dfs-weight":
+    if order == "dfs-weight":
         return dfs_weight(waiting)
-    raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    raise ValueError(f"unknown order {order!r}; choose one of {', '.join(ORDERS)}")

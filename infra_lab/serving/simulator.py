@@ -109,7 +109,7 @@ def simulated_engine(time_model: StepTimeModel, config: EngineConfig) -> Engine:
     """An engine whose steps take the model's time on a virtual clock; the pool keeps the block
     bookkeeping only (one number per slot, not the model's K and V)."""
     clock = VirtualClock()
-    pool = PagedKVCache(1, 1, 1, config.num_blocks, config.block_size)
+    pool = PagedKVCache(1, 1, 1, config.num_blocks, config.block_size, prefix_sharing=config.prefix_cache == "hash")
     return Engine(config=config, runner=SimulatedRunner(time_model, pool, clock), clock=clock)
 
 

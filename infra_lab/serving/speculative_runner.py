@@ -35,7 +35,7 @@ class SpeculativeRunner(ModelRunner):
     def _draft(self, batch: list[tuple[Request, int]], out: RunnerOutput) -> list:
         jobs, where = [], []
         for row, (request, n) in enumerate(batch):
-            k = min(request.draft_room, request.params.max_tokens - len(request.output) - 1)
+            k = min(request.draft_room, request.draftable)
             if k > 0 and n == request.num_uncomputed:  # a decode, or a prompt's last chunk
                 jobs.append(DraftJob(request.request_id, request.tokens, k, request.params, request.rng))
                 where.append(row)

@@ -4,8 +4,8 @@ Each workload is a list of prompts (token arrays) in arrival order; the generato
 and their shapes are documented with each function. The generators' lengths are chosen not to
 be multiples of 16 (sums of them can be, as one multi-turn history of 320 tokens is), as real
 prompts' are not: block hashing can only share whole blocks, the radix tree any
-prefix. `serve` admits them in batches of `batch` waiting requests, in the order a scheduling
-policy picks, through a radix cache of `capacity` tokens (chapter 04) or chapter 03's paged
+prefix. `serve` admits them in batches of `batch` waiting requests, in an admission order
+(serving.scheduling), through a radix cache of `capacity` tokens (chapter 04) or chapter 03's paged
 cache with block-hash prefix sharing, and counts prompt tokens served from the cache.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 
 from infra_lab.kv.paged import PagedKVCache
 from infra_lab.kv.radix import RadixCache
-from infra_lab.serving.scheduling import POLICIES, admission_order
+from infra_lab.serving.scheduling import ORDERS, admission_order
 
 VOCAB = 50_000
 
@@ -130,15 +130,15 @@ class Served(PrefixHits):
     matches: list[tuple[int, int]]  # (prompt, cached) tokens per request, as admitted
 
 
-def serve(requests: list[np.ndarray], capacity: int, policy: str = "fcfs",
+def serve(requests: list[np.ndarray], capacity: int, order: str = "fcfs",
           batch: int = 16) -> Served:
-    """Radix cache of `capacity` tokens: each batch is admitted in the policy's order; every
+    """Radix cache of `capacity` tokens: each batch is admitted in the given order; every
     request matches its prefix, then its prompt is cached, evicting LRU leaves to stay in budget."""
     if capacity < max(len(r) for r in requests):
         longest = max(len(r) for r in requests)
         raise ValueError(f"capacity {capacity} is smaller than the longest prompt, {longest}")
-    if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    if order not in ORDERS:
+        raise ValueError(f"unknown order {order!r}; choose one of {', '.join(ORDERS)}")
     if batch < 1:
         raise ValueError(f"batch must be >= 1; got {batch}")
     cache, next_slot = RadixCache(), 0
@@ -147,7 +147,7 @@ def serve(requests: list[np.ndarray], capacity: int, policy: str = "fcfs",
     for first in range(0, len(requests), batch):
         waiting = requests[first:first + batch]
         batch_total = batch_cached = batch_evicted = 0
-        for index in admission_order(policy, waiting, cache):
+        for index in admission_order(order, waiting, cache):
             tokens = waiting[index]
             matched, _, _ = cache.match_prefix(tokens)
             matches.append((len(tokens), matched))
