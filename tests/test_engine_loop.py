@@ -8,8 +8,11 @@ import threading
 import time
 from pathlib import Path
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from conftest import alone, check_clean
 from infra_lab import model
@@ -35,34 +38,54 @@ def random_request(rng):
     return prompt, params
 
 
+def served_mix(rng):
+    """A random request with the service's options too: n samples, log-probabilities, stop
+    strings, min_tokens."""
+    prompt, params = random_request(rng)
+    n = int(rng.choice([1, 1, 1, 2, 3]))
+    min_tokens = int(rng.integers(0, params.max_tokens + 1)) if rng.random() < 0.3 else 0
+    return prompt, replace(params, n=n, logprobs=int(rng.choice([0, 2])) if rng.random() < 0.3 else None,
+                           stop=(" ", "e") if rng.random() < 0.2 else (), min_tokens=min_tokens)
+
+
+def alone_in_an_engine(target, prompt, params) -> list[list[int]]:
+    """The request served by a fresh engine of its own: each sample's tokens."""
+    engine = Engine(target, CONFIG)
+    rid = engine.add_request(prompt, params)
+    while engine.has_unfinished:
+        engine.step()
+    return [r.output for r in engine.group(rid)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [0, 1])
+@settings(max_examples=3, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
 def test_threads_that_stream_and_abort_get_the_tokens_they_get_alone(target, seed):
-    """32 client threads, each submits a random request and streams it; a quarter abort after
-    their first token. The survivors' tokens are what the request gets alone (greedy or with its
-    own seed); the aborted ones end with "abort" and a prefix of those tokens."""
+    """64 client threads, each submits a random request (n samples, log-probabilities, stop
+    strings and min_tokens among them) and streams it; a random quarter abort after their first
+    token. The survivors' samples are what the request gets alone in an engine of its own (greedy
+    or with its seeds); the aborted ones end with "abort" and a prefix of those tokens. After:
+    every block is free and the loop's thread is gone."""
     rng = np.random.default_rng(seed)
-    requests = [random_request(rng) for _ in range(32)]
-    aborting = set(rng.choice(32, 8, replace=False).tolist())
+    requests = [served_mix(rng) for _ in range(64)]
+    aborting = set(rng.choice(64, 16, replace=False).tolist())
     engine = Engine(target, CONFIG)
     loop = EngineLoop(engine)
-    got, errors, start = {}, [], threading.Barrier(32)
+    got, errors, start = {}, [], threading.Barrier(64)
 
     def client(i):
         try:
             prompt, params = requests[i]
             start.wait()
             handle = loop.submit(prompt, params, request_id=f"client-{i}")
-            events = []
-            for event in handle:
-                events.append(event)
-                if i in aborting and len(events) == 1:
+            for count, _ in enumerate(handle, 1):
+                if i in aborting and count == 1:
                     loop.abort(handle.request_id)
-            got[i] = events
+            got[i] = handle
         except BaseException as error:  # noqa: BLE001 - reported below
             errors.append((i, error))
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(32)]
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(64)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -70,14 +93,17 @@ def test_threads_that_stream_and_abort_get_the_tokens_they_get_alone(target, see
     assert not errors, errors
     loop.shutdown()
     for i, (prompt, params) in enumerate(requests):
-        expected = alone(target, prompt, params, "numba")
-        tokens = [e.token for e in got[i] if e.token is not None]
-        reason = got[i][-1].finish_reason
-        assert all(e.finish_reason is None for e in got[i][:-1])
-        if reason == "abort":
-            assert i in aborting and tokens == expected[:len(tokens)]
-        else:
-            assert tokens == expected and reason in ("stop", "length"), (i, reason)
+        expected, handle = alone_in_an_engine(target, prompt, params), got[i]
+        for index, (tokens, reason) in enumerate(zip(handle.samples, handle.finish_reasons)):
+            if reason == "abort":
+                assert i in aborting and tokens == expected[index][:len(tokens)]
+            else:
+                assert tokens == expected[index] and reason in ("stop", "length"), (i, index, reason)
+        events = [e for e in handle.events if e.token is not None]
+        assert all((e.logprob is not None) == (params.logprobs is not None) for e in events)
+        for index in range(params.n):  # each sample's last event, and only it, ends the sample
+            ends = [e.finish_reason is not None for e in handle.events if e.index == index]
+            assert ends[-1] and not any(ends[:-1])
     assert not any(t.name == "engine-loop" and t.is_alive() for t in threading.enumerate())
     check_clean(engine)
 

@@ -313,10 +313,11 @@ def _finish_elsewhere(state, kv, answers) -> None:
 
 
 @pytest.mark.slow
-def test_a_request_moves_to_another_process(target):
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=12),
+                                    SamplingParams(temperature=0.8, seed=21, max_tokens=12)], ids=["greedy", "seeded"])
+def test_a_request_moves_to_another_process(target, params):
     """The state and K and V travel through a multiprocessing queue (pickled plain data and a
     numpy array) to a spawned process, which finishes the request with the tokens it gets alone."""
-    params = SamplingParams(temperature=0.8, seed=21, max_tokens=12)
     prompt = prompt_of(17, 6)
     source = Engine(target, CONFIG, NUMBA)
     rid = source.add_request(prompt, params)

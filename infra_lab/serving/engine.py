@@ -380,7 +380,8 @@ class Engine:
             self._advance()
 
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams] | None = None) -> list[list[int]]:
-        """Serve every prompt together; returns each one's output tokens, in order."""
+        """Serve every prompt together; returns each one's output tokens, in order (with n > 1,
+        its first sample's: `group(id)` holds them all)."""
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling parameters")
