@@ -193,3 +193,20 @@ def test_bad_input_is_refused_by_name_and_the_loop_still_serves(target):
         assert loop.abort("mine") is False  # it had ended
         assert loop.submit(b"def ", SamplingParams(max_tokens=3)).result(30) == \
             alone(target, list(b"def "), SamplingParams(max_tokens=3), "numba")
+
+
+def test_a_long_running_loop_keeps_bounded_books(target):
+    """A service runs for long: the loop keeps the last keep_finished ended requests (here and in
+    the engine) and the last keep_steps step records; a forgotten id is unknown, and free again."""
+    engine = Engine(target, CONFIG)
+    with EngineLoop(engine, keep_finished=4, keep_steps=5) as loop:
+        for k in range(20):
+            loop.submit(b"def f", SamplingParams(max_tokens=3), request_id=f"r{k}").result(30)
+        assert len(loop._handles) == 4 and len(engine.requests) == 4 and len(engine.log) <= 10
+        assert engine.steps >= 20 * 3 and loop.abort("r19") is False
+        with pytest.raises(KeyError, match="no request 'r0'"):
+            loop.abort("r0")
+        assert loop.submit(b"def f", SamplingParams(max_tokens=3), request_id="r0").result(30)
+    with pytest.raises(ValueError, match="keep_finished must be a whole number >= 1; got 0"):
+        EngineLoop(Engine(target, CONFIG), keep_finished=0, start=False)
+    check_clean(engine)

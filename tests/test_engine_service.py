@@ -442,9 +442,13 @@ def test_bad_requests_are_refused_by_name_and_change_nothing(target):
     rid = engine.add_request([1, 2, 3], SamplingParams(n=3, max_tokens=2))
     with pytest.raises(ValueError, match=f"request id {rid} is taken"):
         engine.add_request([4], request_id=rid)
+    with pytest.raises(ValueError, match=f"request {rid} is live .*only ended requests are forgotten"):
+        engine.forget(rid)
     assert engine.abort(rid) and not engine.abort(rid)
     assert all(r.state is RequestState.ABORTED for r in engine.group(rid))
     check_clean(engine)
+    engine.forget(rid)
+    assert not engine.requests and not engine.groups
 
 
 def test_a_loop_serves_n_samples_with_their_logprobs_and_versions(target):

@@ -95,7 +95,8 @@ class Engine:
         self.detokenize = detokenize
         self.requests: dict[int, Request] = {}  # every request by id, the samples of an n > 1 request too
         self.groups: dict[int, list[Request]] = {}  # an n > 1 request's id -> its n samples, in order
-        self.log: list[StepRecord] = []
+        self.log: list[StepRecord] = []  # every step's record (a long-running service keeps the last ones)
+        self.steps = 0  # steps run, all told
         self._next_id = 0
 
     # ---- requests in ---------------------------------------------------------------------------
@@ -132,6 +133,17 @@ class Engine:
         else:
             self.scheduler.add(request)
         return request_id
+
+    def forget(self, request_id: int) -> None:
+        """Drop an ended request (with n > 1, every sample of it) from `requests`: a service that
+        runs for long keeps the books of the live ones only."""
+        group = self.group(request_id)
+        live = [r.request_id for r in group if not r.is_done]
+        if live:
+            raise ValueError(f"request {request_id} is live (samples {live}); only ended requests are forgotten")
+        for request in group:
+            del self.requests[request.request_id]
+        self.groups.pop(request_id, None)
 
     def group(self, request_id: int) -> list[Request]:
         """The request's samples, in order: itself alone unless it asked for n > 1."""
@@ -226,10 +238,11 @@ class Engine:
                      for (r, n), kind in zip(plan.batch, kinds))
         ids = lambda requests: tuple(r.request_id for r in requests)  # noqa: E731
         self.log.append(StepRecord(
-            index=len(self.log), start_s=start, end_s=self.clock(), forward_s=out.forward_s, work=work,
+            index=self.steps, start_s=start, end_s=self.clock(), forward_s=out.forward_s, work=work,
             preempted=ids(plan.preempted), swapped_out=ids(plan.swapped_out), swapped_in=ids(plan.swapped_in),
             finished=tuple(finished), held=ids(plan.held), waiting=len(self.scheduler.waiting),
             free_blocks=self.blocks.pool.num_free, draft_s=out.draft_s))
+        self.steps += 1
         return outputs
 
     def _take(self, request: Request, out: RunnerOutput, now: float) -> list[StepOutput]:
@@ -355,9 +368,9 @@ class Engine:
 
     def _advance(self, next_arrival_s: float | None = None) -> None:
         """One step, or, if nothing can run now, wait for the next arrival or batching deadline."""
-        steps = len(self.log)
+        steps = self.steps
         self.step()
-        if len(self.log) > steps:
+        if self.steps > steps:
             return
         times = [t for t in (next_arrival_s, self.scheduler.next_decision_s(self.clock())) if t is not None]
         if not times:

@@ -173,19 +173,27 @@ class RequestHandle:
 
 
 class EngineLoop:
-    def __init__(self, engine, max_waiting: int = 256, start: bool = True):
+    def __init__(self, engine, max_waiting: int = 256, start: bool = True, keep_finished: int = 1024,
+                 keep_steps: int = 10_000):
         """Serve `engine` from a thread of its own. `max_waiting`: submitted requests that may wait
         for their first step before `submit` raises Overloaded. `start=False` leaves the thread
-        unstarted until `start()` (requests queue meanwhile)."""
-        if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1:
-            raise ValueError(f"max_waiting must be a whole number >= 1; got {max_waiting!r}")
+        unstarted until `start()` (requests queue meanwhile). A service runs for long, so the loop
+        keeps the books of the last `keep_finished` ended requests (older ones are forgotten, here
+        and in the engine: their ids may be used again) and the engine's last `keep_steps` step
+        records."""
+        for name, value in (("max_waiting", max_waiting), ("keep_finished", keep_finished),
+                            ("keep_steps", keep_steps)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a whole number >= 1; got {value!r}")
         if engine.has_unfinished:
             raise ValueError("the engine already has requests in flight; a loop must be its only caller")
         self.engine, self.max_waiting = engine, max_waiting
+        self.keep_finished, self.keep_steps = keep_finished, keep_steps
+        self._ended: deque[str] = deque()  # ids of ended requests, oldest first (the loop's thread's own)
         self._wake = threading.Condition()
         self._inbox: list[tuple] = []  # ("add", handle, tokens, params), ("abort", request id), or work
         # between two steps with a future for its result: ("weights" | "export" | "import", *args, future)
-        self._handles: dict[str, RequestHandle] = {}  # every request ever submitted, by id
+        self._handles: dict[str, RequestHandle] = {}  # live requests and the last keep_finished ended, by id
         self._live: dict[int, RequestHandle] = {}  # engine id -> handle, until the request ends
         self._waiting = 0  # submitted and not yet run: in the inbox or waiting in the engine
         self._queued = 0  # of them, in the inbox
@@ -395,7 +403,7 @@ class EngineLoop:
                     item[-1].set_result(getattr(self, "_" + item[0])(*item[1:-1]))
                 except Exception as error:  # noqa: BLE001 - the caller hears of it, the loop goes on
                     item[-1].set_exception(error)
-            elif self._handles[item[1]]._engine_id in self._live:
+            elif item[1] in self._handles and self._handles[item[1]]._engine_id in self._live:
                 self._abort(self._handles[item[1]]._engine_id)
         self._recount()
 
@@ -413,7 +421,9 @@ class EngineLoop:
         return self.weight_swaps[-1][1]
 
     def _export(self, request_id: str) -> tuple:
-        handle = self._handles[request_id]
+        handle = self._handles.get(request_id)
+        if handle is None:
+            raise KeyError(f"no request {request_id!r}")
         if handle._engine_id not in self._live:
             raise ValueError(f"request {request_id!r} has ended ({handle.finish_reason}); only live requests move")
         moved = self.engine.export_request(handle._engine_id)
@@ -440,12 +450,21 @@ class EngineLoop:
         with self._wake:
             self._finishes.append(time.perf_counter())
         handle._push(events)
+        self._ended.append(handle.request_id)
+        while len(self._ended) > self.keep_finished:  # the oldest ended request leaves the books
+            old = self._ended.popleft()
+            with self._wake:
+                forgotten = self._handles.pop(old)
+            if forgotten._engine_id is not None and forgotten._engine_id in self.engine.requests:
+                self.engine.forget(forgotten._engine_id)
 
     def _step(self) -> None:
-        engine, steps = self.engine, len(self.engine.log)
+        engine, steps = self.engine, self.engine.steps
         started = time.perf_counter()
         outputs = engine.step()
-        if len(engine.log) == steps:  # nothing could run: wait for the scheduler's next decision
+        if len(engine.log) > 2 * self.keep_steps:
+            del engine.log[:-self.keep_steps]
+        if engine.steps == steps:  # nothing could run: wait for the scheduler's next decision
             deadline = engine.scheduler.next_decision_s(engine.clock())
             with self._wake:
                 if not self._inbox and self._stopping is None:
