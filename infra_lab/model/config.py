@@ -23,6 +23,8 @@ class ModelConfig:
     source: str = ""  # where a published model's numbers come from
     n_experts: int = 1  # mixture of experts: MLPs per layer
     experts_per_token: int = 1
+    norm_eps: float = 1e-5  # RMSNorm's epsilon
+    tied_embeddings: bool = False  # the LM head is the embedding table (a pretrained model's file keeps one)
 
     @property
     def head_dim(self) -> int:
@@ -48,7 +50,7 @@ class ModelConfig:
     def total_params(self) -> int:
         """Every weight, the embedding table and LM head included (norms left out)."""
         per_layer = self.attention_params + self.n_experts * self.expert_params + self.router_params
-        return self.n_layers * per_layer + 2 * self.vocab * self.d_model
+        return self.n_layers * per_layer + (1 if self.tied_embeddings else 2) * self.vocab * self.d_model
 
     @property
     def active_params(self) -> int:

@@ -72,7 +72,7 @@ class TorchTransformer(nn.Module):
     def _layer_inputs(self, x: torch.Tensor, i: int, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
         """Layer i's rotated queries (..., T, H, Dh), rotated keys and values (..., T, K, Dh)."""
         c = self.config
-        h = rmsnorm(x, self.w(f"layers.{i}.attn_norm"))
+        h = rmsnorm(x, self.w(f"layers.{i}.attn_norm"), self.config.norm_eps)
         q = self.mm(h, f"layers.{i}.wq").unflatten(-1, (c.n_heads, c.head_dim))
         k = self.mm(h, f"layers.{i}.wk").unflatten(-1, (c.n_kv_heads, c.head_dim))
         v = self.mm(h, f"layers.{i}.wv").unflatten(-1, (c.n_kv_heads, c.head_dim))
@@ -83,7 +83,7 @@ class TorchTransformer(nn.Module):
         """x plus attention's output projected, plus the SwiGLU MLP: (..., T, d). In a mixture of
         experts, the routed experts' MLPs (moe.torch_moe)."""
         x = x + self.mm(attended.flatten(-2), f"layers.{i}.wo")
-        h = rmsnorm(x, self.w(f"layers.{i}.mlp_norm"))
+        h = rmsnorm(x, self.w(f"layers.{i}.mlp_norm"), self.config.norm_eps)
         if self.config.n_experts > 1:
             name = f"layers.{i}"
             y, routing, logits = torch_moe.moe_forward(
@@ -115,7 +115,7 @@ class TorchTransformer(nn.Module):
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm and the LM head: x (..., d) -> logits (..., vocab)."""
-        return self.mm(rmsnorm(x, self.w("final_norm")), "lm_head")
+        return self.mm(rmsnorm(x, self.w("final_norm"), self.config.norm_eps), "lm_head")
 
     def step(self, tokens: torch.Tensor, meta, kv) -> torch.Tensor:
         """Inference: one step over a batch laid out by `meta` (kv.metadata.StepMetadata), tokens
@@ -135,4 +135,4 @@ class TorchTransformer(nn.Module):
             else:
                 attended = extend_attention.extend_attention_torch(q, kv.k[i], kv.v[i], tables, starts, context)
             x = self._finish_layer(x, attended, i)
-        return self.mm(rmsnorm(x, self.w("final_norm")), "lm_head")
+        return self.mm(rmsnorm(x, self.w("final_norm"), self.config.norm_eps), "lm_head")

@@ -203,7 +203,7 @@ class Transformer:
             attended = attend(q, kv.k[i], kv.v[i])  # (N, H, Dh)
             x = self._mlp(x + self.linear(attended.reshape(len(tokens), c.n_heads * c.head_dim),
                                           f"layers.{i}.wo", backend), i, backend)
-        return self.linear(rmsnorm(x, w["final_norm"]), "lm_head", backend)
+        return self.linear(rmsnorm(x, w["final_norm"], self.config.norm_eps), "lm_head", backend)
 
     @staticmethod
     def _attention_for(meta: StepMetadata, n_kv_heads: int, backend: backends.Backend):
@@ -227,8 +227,8 @@ class Transformer:
         """Layer i's queries (T, H, Dh), rotated keys (T, K, Dh) and values (T, K, Dh) for x (T, d):
         one matmul for all three, and one rotation for the queries and keys together."""
         c = self.config
-        qkv = self.linear(rmsnorm(x, self.w[f"layers.{i}.attn_norm"]), f"layers.{i}.qkv", backend).reshape(
-            len(x), c.n_heads + 2 * c.n_kv_heads, c.head_dim)
+        normed = rmsnorm(x, self.w[f"layers.{i}.attn_norm"], c.norm_eps)
+        qkv = self.linear(normed, f"layers.{i}.qkv", backend).reshape(len(x), c.n_heads + 2 * c.n_kv_heads, c.head_dim)
         rotated = apply_rope(qkv[:, : c.n_heads + c.n_kv_heads], cos, sin)
         return rotated[:, : c.n_heads], rotated[:, c.n_heads:], qkv[:, c.n_heads + c.n_kv_heads:]
 
@@ -238,10 +238,11 @@ class Transformer:
         if self.config.n_experts > 1:
             w, name = self.w, f"layers.{i}"
             experts = ExpertWeights(w[f"{name}.w_gate"], w[f"{name}.w_up"], w[f"{name}.w_down"])
-            routed = moe_layer(rmsnorm(x, w[f"{name}.mlp_norm"]), w[f"{name}.router"], experts,
+            routed = moe_layer(rmsnorm(x, w[f"{name}.mlp_norm"], self.config.norm_eps), w[f"{name}.router"], experts,
                                self.config.experts_per_token, None, w[f"{name}.router_bias"], backend)
             return x + routed.y
-        gate_up = self.linear(rmsnorm(x, self.w[f"layers.{i}.mlp_norm"]), f"layers.{i}.gate_up", backend)
+        normed = rmsnorm(x, self.w[f"layers.{i}.mlp_norm"], self.config.norm_eps)
+        gate_up = self.linear(normed, f"layers.{i}.gate_up", backend)
         gate, up = np.split(gate_up, 2, axis=1)  # (T, d_ff) each
         return x + self.linear(gate / (1 + np.exp(-gate)) * up, f"layers.{i}.w_down", backend)
 

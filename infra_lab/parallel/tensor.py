@@ -202,9 +202,10 @@ class TensorParallelTransformer(nn.Module):
     def block(self, x: torch.Tensor, i: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Block i, x (B, T, d) -> (B, T, d): equal to TorchTransformer.block, on every rank."""
         w, layer = self.w, f"layers.{i}"
-        x = x + parallel_attention(rmsnorm(x, w(f"{layer}.attn_norm")), w(f"{layer}.wq"), w(f"{layer}.wk"),
+        eps = self.config.norm_eps
+        x = x + parallel_attention(rmsnorm(x, w(f"{layer}.attn_norm"), eps), w(f"{layer}.wq"), w(f"{layer}.wk"),
                                    w(f"{layer}.wv"), w(f"{layer}.wo"), self.config, cos, sin, self.group, self.counter)
-        return x + parallel_mlp(rmsnorm(x, w(f"{layer}.mlp_norm")), w(f"{layer}.w_gate"), w(f"{layer}.w_up"),
+        return x + parallel_mlp(rmsnorm(x, w(f"{layer}.mlp_norm"), eps), w(f"{layer}.w_gate"), w(f"{layer}.w_up"),
                                 w(f"{layer}.w_down"), self.group, self.counter)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -214,7 +215,7 @@ class TensorParallelTransformer(nn.Module):
         x = self.w("embed")[tokens]  # (B, T, d), replicated
         for i in range(self.config.n_layers):
             x = self.block(x, i, cos, sin)
-        return rmsnorm(x, self.w("final_norm")) @ self.w("lm_head")  # (B, T, vocab)
+        return rmsnorm(x, self.w("final_norm"), self.config.norm_eps) @ self.w("lm_head")  # (B, T, vocab)
 
 
 def bytes_per_block(batch: int, tokens: int, d_model: int, world: int, element_size: int = 4) -> Fraction:

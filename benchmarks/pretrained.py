@@ -1,0 +1,178 @@
+"""A real pretrained model in the book's engine: SmolLM2-135M-Instruct from its GGUF file (Q4_1,
+dequantized to float32), against Hugging Face transformers reading the same file, on this CPU.
+Sections:
+
+- exact: 20 prompts (code and prose), 64 greedy tokens each, served together by the engine
+  (continuous batching, chunked prefill, paged KV) and by transformers' generate one prompt at a
+  time: how many prompts agree on every token, and the first disagreement if any.
+- decode: batch-1 greedy decode of 64 tokens after a 32-token prompt, tokens/s of the engine
+  (numba face, float32) and of transformers' generate (float32), the median of rounds, each as a
+  share of this machine's read bandwidth (numpy, the same run) at the float32 weight bytes a token
+  reads. The target: the engine at least 0.9x transformers.
+- memory: the weight bytes by format (as stored in the file, and as float32) and the KV bytes per
+  token (2 x layers x KV heads x head size x 4).
+
+    python benchmarks/pretrained.py [--quick] [--only SECTION] [--rounds N] [--json PATH]
+
+Without --quick the figures go to benchmarks/results/pretrained.json. The model's file must be
+pulled first (`infra-lab models pull smollm2-135m`).
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from infra_lab import backend
+from infra_lab.model import corpus, pretrained
+from infra_lab.serving.config import EngineConfig
+from infra_lab.serving.engine import Engine
+from infra_lab.serving.request import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_core import run_sections, section_parser  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results" / "pretrained.json"
+SECTIONS = ("exact", "decode", "memory")
+NAME = "smollm2-135m"
+FULL = {"prompts": 20, "exact_tokens": 64, "decode_prompt": 32, "decode_tokens": 64, "rounds": 5}
+QUICK = {"prompts": 3, "exact_tokens": 8, "decode_prompt": 16, "decode_tokens": 8, "rounds": 2}
+DECODE_TARGET = 0.9  # the engine's batch-1 decode against transformers' (both float32)
+
+
+def prompts_of(tokenizer, n: int) -> list[list[int]]:
+    """n prompts: openings of held-out standard-library modules, and sentences of prose."""
+    _, validation = corpus.load()
+    text = bytes(validation[:200_000].tolist()).decode("utf-8", "replace")
+    code = [text[i * 9000:i * 9000 + 300] for i in range(n // 2)]
+    prose = ["The history of the printing press begins", "A good recipe for bread needs",
+             "In mathematics, a prime number is", "The capital of Japan is", "Rivers flow to the sea because",
+             "My favourite programming language is", "To learn to swim, you should first",
+             "The oldest known star map", "When the train left the station,", "Photosynthesis is the process"]
+    return [tokenizer.encode(t) for t in (code + prose)[:n]]
+
+
+def hf_model(path: Path):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+def exact(sizes: dict) -> dict:
+    model, tokenizer = pretrained.load(NAME)
+    reference = hf_model(pretrained.path_of(NAME))
+    prompts, k = prompts_of(tokenizer, sizes["prompts"]), sizes["exact_tokens"]
+    blocks = sum(-(-(len(p) + k) // 16) for p in prompts) + 8
+    config = EngineConfig(policy="chunked", token_budget=128, num_blocks=blocks)
+    stops = stop_tokens(reference)
+    ours = Engine(model, config, backend.resolve("numba", "cpu")).generate(
+        prompts, SamplingParams(max_tokens=k, stop_tokens=stops))
+    theirs = []
+    for ids in prompts:
+        with torch.no_grad():
+            out = reference.generate(torch.tensor([ids]), max_new_tokens=k, do_sample=False)
+        theirs.append(out[0, len(ids):].tolist())
+    agree = [a == b for a, b in zip(ours, theirs)]
+    first = next(((i, next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
+                  for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)  # (prompt, token)
+    return {"prompts": len(prompts), "tokens_each": k, "agree": sum(agree), "first_disagreement": first,
+            "bar": "every prompt's tokens equal transformers'", "passed": all(agree)}
+
+
+def stop_tokens(reference) -> tuple[int, ...]:
+    """The end-of-text ids transformers' generate stops at, as the engine's stop tokens."""
+    eos = reference.generation_config.eos_token_id
+    return tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+
+
+def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """Bytes per second numpy reads (a sum over a large array), the best of `repeats`."""
+    data = np.ones(megabytes * (1 << 20) // 4, np.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - started)
+    return data.nbytes / best
+
+
+def decode(sizes: dict, rounds: int) -> dict:
+    model, tokenizer = pretrained.load(NAME)
+    reference = hf_model(pretrained.path_of(NAME))
+    prompt = prompts_of(tokenizer, 1)[0][:sizes["decode_prompt"]]
+    k = sizes["decode_tokens"]
+    engine = Engine(model, EngineConfig(policy="chunked", num_blocks=16), backend.resolve("numba", "cpu"))
+    params = SamplingParams(max_tokens=k, stop_tokens=stop_tokens(reference))
+
+    def ours():
+        return engine.generate([prompt], params)[0]
+
+    def theirs():
+        with torch.no_grad():
+            out = reference.generate(torch.tensor([prompt]), max_new_tokens=k, do_sample=False)
+        return out[0, len(prompt):].tolist()
+
+    assert ours() == theirs(), "the engine and transformers disagree on the decode prompt"
+    seconds = {"engine": [], "transformers": []}
+    for r in range(rounds):
+        for name, run in sorted({"engine": ours, "transformers": theirs}.items(), reverse=r % 2 == 1):
+            started = time.perf_counter()
+            run()
+            seconds[name].append(time.perf_counter() - started)
+    rate = {name: k / statistics.median(s) for name, s in seconds.items()}
+    weight_bytes = 4 * (model.config.total_params + sum(v.size for n, v in model.w.items() if "norm" in n))
+    bandwidth = read_bandwidth()
+    roof = bandwidth / weight_bytes  # tokens/s if each token read every weight once at that bandwidth
+    ratio = rate["engine"] / rate["transformers"]
+    return {"tokens_per_s": rate, "engine_over_transformers": ratio, "read_GBps": bandwidth / 1e9,
+            "weight_bytes_fp32": weight_bytes, "roof_tokens_per_s": roof,
+            "share_of_roof": {name: r / roof for name, r in rate.items()}, "rounds": rounds,
+            "threads": torch.get_num_threads(), "bar": f"engine >= {DECODE_TARGET}x transformers (fp32, batch 1)",
+            "passed": ratio >= DECODE_TARGET}
+
+
+def memory(_sizes: dict) -> dict:
+    from infra_lab.model import gguf_file
+
+    read = gguf_file.read(pretrained.path_of(NAME))
+    c = read.config
+    stored = {}
+    import gguf
+
+    for tensor in gguf.GGUFReader(read.path).tensors:
+        stored[tensor.tensor_type.name] = stored.get(tensor.tensor_type.name, 0) + int(tensor.n_bytes)
+    return {"file_bytes_by_format": stored, "float32_weight_bytes": sum(w.nbytes for w in read.weights.values()),
+            "parameters": c.total_params, "kv_bytes_per_token_fp32": 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4}
+
+
+def headline(name: str, f: dict) -> str:
+    if name == "exact":
+        return f"{f['agree']} of {f['prompts']} prompts agree on all {f['tokens_each']} tokens"
+    if name == "decode":
+        rate = f["tokens_per_s"]
+        return (f"engine {rate['engine']:.1f} tokens/s, transformers {rate['transformers']:.1f} "
+                f"({f['engine_over_transformers']:.2f}x; {f['bar']}: {'met' if f['passed'] else 'missed'}); "
+                f"roof {f['roof_tokens_per_s']:.1f} at "
+                f"{f['read_GBps']:.1f} GB/s")
+    return f"{f['float32_weight_bytes'] / 1e6:.0f} MB float32, {f['kv_bytes_per_token_fp32']:,} KV bytes a token"
+
+
+def main() -> None:
+    parser = section_parser(__doc__, SECTIONS, RESULTS)
+    args = parser.parse_args()
+    sizes = QUICK if args.quick else FULL
+    rounds = args.rounds or sizes["rounds"]
+    pretrained.pull(NAME, quiet=True)
+    run_sections("benchmarks/pretrained.py", SECTIONS,
+                 {"exact": lambda _: exact(sizes), "decode": lambda _: decode(sizes, rounds),
+                  "memory": lambda _: memory(sizes)},
+                 args, headline, RESULTS, {"quick": args.quick, "sizes": sizes})
+
+
+if __name__ == "__main__":
+    main()
