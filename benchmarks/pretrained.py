@@ -6,9 +6,10 @@ Sections:
   (continuous batching, chunked prefill, paged KV) and by transformers' generate one prompt at a
   time: how many prompts agree on every token, and the first disagreement if any.
 - decode: batch-1 greedy decode of 64 tokens after a 32-token prompt, tokens/s of the engine
-  (numba face, float32) and of transformers' generate (float32), the median of rounds, each as a
+  (numba face: float32, and chapter 08's int8 per channel and int4 in groups of 32, round to
+  nearest) and of transformers' generate (float32), the median of rounds; the float32 ones as a
   share of this machine's read bandwidth (numpy, the same run) at the float32 weight bytes a token
-  reads. The target: the engine at least 0.9x transformers.
+  reads. Targets: the engine's float32 at least 0.9x transformers, its int8 at least 1.8x.
 - memory: the weight bytes by format (as stored in the file, and as float32) and the KV bytes per
   token (2 x layers x KV heads x head size x 4).
 
@@ -29,6 +30,7 @@ import torch
 
 from infra_lab import backend
 from infra_lab.model import corpus, pretrained
+from infra_lab.model.quantized import quantize_model
 from infra_lab.serving.config import EngineConfig
 from infra_lab.serving.engine import Engine
 from infra_lab.serving.request import SamplingParams
@@ -42,6 +44,7 @@ NAME = "smollm2-135m"
 FULL = {"prompts": 20, "exact_tokens": 64, "decode_prompt": 32, "decode_tokens": 64, "rounds": 5}
 QUICK = {"prompts": 3, "exact_tokens": 8, "decode_prompt": 16, "decode_tokens": 8, "rounds": 2}
 DECODE_TARGET = 0.9  # the engine's batch-1 decode against transformers' (both float32)
+INT8_TARGET = 1.8  # the engine's int8 weights against transformers' float32
 
 
 def prompts_of(tokenizer, n: int) -> list[list[int]]:
@@ -108,9 +111,13 @@ def decode(sizes: dict, rounds: int) -> dict:
     k = sizes["decode_tokens"]
     engine = Engine(model, EngineConfig(policy="chunked", num_blocks=16), backend.resolve("numba", "cpu"))
     params = SamplingParams(max_tokens=k, stop_tokens=stop_tokens(reference))
+    numba = backend.resolve("numba", "cpu")
+    quantized = {f"engine_{name}": Engine(quantize_model(model, "rtn", bits, group),
+                                          EngineConfig(policy="chunked", num_blocks=16), numba)
+                 for name, bits, group in (("int8", 8, None), ("int4_g32", 4, 32))}
 
-    def ours():
-        return engine.generate([prompt], params)[0]
+    def ours(on=engine):
+        return on.generate([prompt], params)[0]
 
     def theirs():
         with torch.no_grad():
@@ -118,22 +125,27 @@ def decode(sizes: dict, rounds: int) -> dict:
         return out[0, len(prompt):].tolist()
 
     assert ours() == theirs(), "the engine and transformers disagree on the decode prompt"
-    seconds = {"engine": [], "transformers": []}
+    runs = {"engine": ours, "transformers": theirs} | {name: (lambda e=e: ours(e)) for name, e in quantized.items()}
+    for run in runs.values():
+        run()  # warm: the quantized kernels compile on their first call
+    seconds, made = {name: [] for name in runs}, {}
     for r in range(rounds):
-        for name, run in sorted({"engine": ours, "transformers": theirs}.items(), reverse=r % 2 == 1):
+        for name, run in sorted(runs.items(), reverse=r % 2 == 1):
             started = time.perf_counter()
-            run()
+            made[name] = len(run())  # a quantized model may end its answer sooner
             seconds[name].append(time.perf_counter() - started)
-    rate = {name: k / statistics.median(s) for name, s in seconds.items()}
+    rate = {name: made[name] / statistics.median(s) for name, s in seconds.items()}
     weight_bytes = 4 * (model.config.total_params + sum(v.size for n, v in model.w.items() if "norm" in n))
     bandwidth = read_bandwidth()
     roof = bandwidth / weight_bytes  # tokens/s if each token read every weight once at that bandwidth
-    ratio = rate["engine"] / rate["transformers"]
-    return {"tokens_per_s": rate, "engine_over_transformers": ratio, "read_GBps": bandwidth / 1e9,
-            "weight_bytes_fp32": weight_bytes, "roof_tokens_per_s": roof,
-            "share_of_roof": {name: r / roof for name, r in rate.items()}, "rounds": rounds,
-            "threads": torch.get_num_threads(), "bar": f"engine >= {DECODE_TARGET}x transformers (fp32, batch 1)",
-            "passed": ratio >= DECODE_TARGET}
+    ratio, int8 = rate["engine"] / rate["transformers"], rate["engine_int8"] / rate["transformers"]
+    return {"tokens_per_s": rate, "tokens_made": made, "engine_over_transformers": ratio, "int8_over_transformers": int8,
+            "int4_g32_over_transformers": rate["engine_int4_g32"] / rate["transformers"],
+            "read_GBps": bandwidth / 1e9, "weight_bytes_fp32": weight_bytes, "roof_tokens_per_s": roof,
+            "share_of_roof": {name: rate[name] / roof for name in ("engine", "transformers")}, "rounds": rounds,
+            "threads": torch.get_num_threads(),
+            "bar": f"engine fp32 >= {DECODE_TARGET}x transformers, int8 >= {INT8_TARGET}x (batch 1)",
+            "passed": ratio >= DECODE_TARGET and int8 >= INT8_TARGET}
 
 
 def memory(_sizes: dict) -> dict:
@@ -155,8 +167,10 @@ def headline(name: str, f: dict) -> str:
         return f"{f['agree']} of {f['prompts']} prompts agree on all {f['tokens_each']} tokens"
     if name == "decode":
         rate = f["tokens_per_s"]
-        return (f"engine {rate['engine']:.1f} tokens/s, transformers {rate['transformers']:.1f} "
-                f"({f['engine_over_transformers']:.2f}x; {f['bar']}: {'met' if f['passed'] else 'missed'}); "
+        return (f"engine {rate['engine']:.1f} tokens/s (int8 {rate['engine_int8']:.1f}, int4 "
+                f"{rate['engine_int4_g32']:.1f}), transformers {rate['transformers']:.1f} "
+                f"({f['engine_over_transformers']:.2f}x, int8 {f['int8_over_transformers']:.2f}x; {f['bar']}: "
+                f"{'met' if f['passed'] else 'missed'}); "
                 f"roof {f['roof_tokens_per_s']:.1f} at "
                 f"{f['read_GBps']:.1f} GB/s")
     return f"{f['float32_weight_bytes'] / 1e6:.0f} MB float32, {f['kv_bytes_per_token_fp32']:,} KV bytes a token"

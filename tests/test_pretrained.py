@@ -133,3 +133,47 @@ def test_bad_files_and_messages_are_refused_by_name(ours, path, tmp_path):
     with pytest.raises(ValueError, match="token 49152 is outside the vocabulary \\[0, 49152\\)"):
         engine.add_request([49152])
     assert not engine.requests
+
+
+def test_the_engine_serves_it_with_prefix_caches_preemption_and_speculation(ours):
+    """The same greedy tokens from the plain engine, from the radix and block-hash prefix caches
+    (prompts that share a prefix), from a pool small enough to preempt, and with prompt-lookup
+    speculative decoding."""
+    from infra_lab.serving.drafters import PromptLookupDrafter
+
+    model, tokenizer = ours
+    shared = "def area(radius):\n    return 3.14159 * radius * radius\n\n\n"
+    prompts = [tokenizer.encode(shared + tail) for tail in ("def perimeter(radius):\n", "def volume(radius):\n",
+                                                            "print(area(2))\nprint(area(")]
+    params = SamplingParams(max_tokens=20)
+    numba = backends.resolve("numba", "cpu")
+    plain = Engine(model, EngineConfig(policy="chunked", num_blocks=32), numba).generate(prompts, params)
+    need = max(-(-(len(p) + 20) // 16) for p in prompts)
+    variants = {
+        "radix": Engine(model, EngineConfig(policy="chunked", block_size=1, num_blocks=400, prefix_cache="radix"), numba),
+        "hash": Engine(model, EngineConfig(policy="chunked", num_blocks=32, prefix_cache="hash"), numba),
+        "preempting": Engine(model, EngineConfig(policy="chunked", num_blocks=need + 2), numba),
+        "speculative": Engine(model, EngineConfig(policy="chunked", num_blocks=32, num_speculative_tokens=3), numba,
+                              drafter=PromptLookupDrafter(model.config.vocab)),
+    }
+    for name, engine in variants.items():
+        for _ in range(2):  # the second time, the caches hold the prompts
+            assert engine.generate(prompts, params) == plain, name
+    assert sum(len(r.preempted) for r in variants["preempting"].log) > 0
+    assert all(sum(r.cached_tokens for r in variants[name].requests.values()) > 0 for name in ("radix", "hash"))
+    assert variants["speculative"].runner.tally.kept.sum() > 0
+
+
+@pytest.mark.parametrize("bits,group", [(8, None), (4, 32)], ids=["int8", "int4-g32"])
+def test_chapter_08s_int8_and_int4_weights_still_answer(ours, bits, group):
+    """Chapter 08's round-to-nearest weights (int8 per channel, int4 in groups of 32) served by the
+    engine: the chat still answers. (The file's weights already sit on a Q4_1 grid, so they are no
+    full-precision reference for comparing quantization methods.)"""
+    from infra_lab.model.quantized import quantize_model
+
+    model, tokenizer = ours
+    quantized = quantize_model(model, "rtn", bits, group)
+    ids = tokenizer.encode(tokenizer.chat([{"role": "user", "content": "What is the capital of France?"}]))
+    engine = Engine(quantized, EngineConfig(policy="chunked", num_blocks=32), backends.resolve("numba", "cpu"))
+    answer = engine.generate([ids], SamplingParams(max_tokens=16, stop_tokens=tokenizer.end_of_turn))[0]
+    assert "Paris" in tokenizer.decode(answer, skip_special=True)
