@@ -10,6 +10,14 @@ Sections:
   nearest) and of transformers' generate (float32), the median of rounds; the float32 ones as a
   share of this machine's read bandwidth (numpy, the same run) at the float32 weight bytes a token
   reads. Targets: the engine's float32 at least 0.9x transformers, its int8 at least 1.8x.
+- saturation: 64 requests at once with chapter 05's ShareGPT-like lengths (traffic.sharegpt_lengths,
+  within 512 tokens; each generates exactly its output length, no end-of-text stop, as vLLM's
+  benchmarks do), prompts of held-out standard-library text. Output tokens/s of the engine's
+  chunked continuous batching, of its static batching (one batch runs until its longest member
+  ends), and of transformers' static batches (left-padded generate; batches of 16 and 64, the
+  better one), beside the ceiling E[longest]/E[mean] of the same lengths (traffic.static_ceiling).
+  Targets: continuous at least 2x transformers, and at least 2.5x the engine's static batching
+  (or below the ceiling, which bounds it).
 - memory: the weight bytes by format (as stored in the file, and as float32) and the KV bytes per
   token (2 x layers x KV heads x head size x 4).
 
@@ -39,10 +47,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from engine_core import run_sections, section_parser  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "pretrained.json"
-SECTIONS = ("exact", "decode", "memory")
+SECTIONS = ("exact", "decode", "saturation", "memory")
 NAME = "smollm2-135m"
-FULL = {"prompts": 20, "exact_tokens": 64, "decode_prompt": 32, "decode_tokens": 64, "rounds": 5}
-QUICK = {"prompts": 3, "exact_tokens": 8, "decode_prompt": 16, "decode_tokens": 8, "rounds": 2}
+FULL = {"prompts": 20, "exact_tokens": 64, "decode_prompt": 32, "decode_tokens": 64, "rounds": 5, "requests": 64,
+        "hf_batches": (16, 64), "max_len": 512}
+QUICK = {"prompts": 3, "exact_tokens": 8, "decode_prompt": 16, "decode_tokens": 8, "rounds": 2, "requests": 8,
+         "hf_batches": (4, 8), "max_len": 96}
 DECODE_TARGET = 0.9  # the engine's batch-1 decode against transformers' (both float32)
 INT8_TARGET = 1.8  # the engine's int8 weights against transformers' float32
 
@@ -148,6 +158,58 @@ def decode(sizes: dict, rounds: int) -> dict:
             "passed": ratio >= DECODE_TARGET and int8 >= INT8_TARGET}
 
 
+def saturation(sizes: dict) -> dict:
+    from infra_lab.serving import traffic
+
+    model, tokenizer = pretrained.load(NAME)
+    reference = hf_model(pretrained.path_of(NAME))
+    n, max_len = sizes["requests"], sizes["max_len"]
+    lengths = traffic.sharegpt_lengths(n, seed=0, max_len=max_len)
+    _, validation = corpus.load()
+    text = tokenizer.encode(bytes(validation[:400_000].tolist()).decode("utf-8", "replace"))
+    starts = np.random.default_rng(1).integers(0, len(text) - max_len, n)
+    prompts = [text[s:s + p] for s, (p, _) in zip(starts, lengths)]
+    outputs = [o for _, o in lengths]
+    useful = sum(outputs)
+    numba = backend.resolve("numba", "cpu")
+    blocks = sum(-(-(p + o) // 16) for p, o in lengths) + 8
+
+    def engine_run(policy: str) -> float:
+        config = EngineConfig(policy=policy, max_batch=n, token_budget=512, num_blocks=blocks)
+        engine = Engine(model, config, numba)
+        params = [SamplingParams(max_tokens=o) for o in outputs]
+        started = time.perf_counter()
+        got = engine.generate(prompts, params)
+        assert [len(g) for g in got] == outputs
+        return time.perf_counter() - started
+
+    def hf_run(batch: int) -> float:
+        started = time.perf_counter()
+        for first in range(0, n, batch):
+            chunk, wanted = prompts[first:first + batch], outputs[first:first + batch]
+            width = max(len(p) for p in chunk)
+            ids = torch.tensor([[2] * (width - len(p)) + p for p in chunk])  # left-padded with the pad token
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+            longest = max(wanted)
+            with torch.no_grad():  # every member runs until the longest is done: a static batch
+                reference.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+                                   do_sample=False, pad_token_id=2)
+        return time.perf_counter() - started
+
+    engine_run("chunked")  # warm
+    seconds = {"engine_continuous": engine_run("chunked"), "engine_static": engine_run("static")}
+    seconds |= {f"transformers_static_{b}": hf_run(b) for b in sizes["hf_batches"]}
+    rate = {name: useful / s for name, s in seconds.items()}
+    best_hf = max(v for k, v in rate.items() if k.startswith("transformers"))
+    over_hf, over_static = rate["engine_continuous"] / best_hf, rate["engine_continuous"] / rate["engine_static"]
+    ceiling = traffic.static_ceiling(outputs, n)
+    return {"requests": n, "output_tokens": useful, "mean_prompt": float(np.mean([p for p, _ in lengths])),
+            "mean_output": float(np.mean(outputs)), "tokens_per_s": rate, "continuous_over_transformers": over_hf,
+            "continuous_over_static": over_static, "static_ceiling": ceiling,
+            "bar": "continuous >= 2x transformers' best static batch, and >= 2.5x static (or the ceiling)",
+            "passed": over_hf >= 2 and over_static >= min(2.5, ceiling)}
+
+
 def memory(_sizes: dict) -> dict:
     from infra_lab.model import gguf_file
 
@@ -173,6 +235,11 @@ def headline(name: str, f: dict) -> str:
                 f"{'met' if f['passed'] else 'missed'}); "
                 f"roof {f['roof_tokens_per_s']:.1f} at "
                 f"{f['read_GBps']:.1f} GB/s")
+    if name == "saturation":
+        rates = ", ".join(f"{k} {v:,.0f}" for k, v in f["tokens_per_s"].items())
+        return (f"tokens/s: {rates}; continuous {f['continuous_over_transformers']:.2f}x transformers, "
+                f"{f['continuous_over_static']:.2f}x static (ceiling {f['static_ceiling']:.2f}) "
+                f"({'met' if f['passed'] else 'missed'})")
     return f"{f['float32_weight_bytes'] / 1e6:.0f} MB float32, {f['kv_bytes_per_token_fp32']:,} KV bytes a token"
 
 
@@ -184,6 +251,7 @@ def main() -> None:
     pretrained.pull(NAME, quiet=True)
     run_sections("benchmarks/pretrained.py", SECTIONS,
                  {"exact": lambda _: exact(sizes), "decode": lambda _: decode(sizes, rounds),
+                  "saturation": lambda _: saturation(sizes),
                   "memory": lambda _: memory(sizes)},
                  args, headline, RESULTS, {"quick": args.quick, "sizes": sizes})
 
