@@ -5,11 +5,12 @@ blocks); each `step()` asks the scheduler what to run, runs it through the model
 mixed batch, records what it computed in the block manager, and returns what each request
 produced, with log-probabilities if asked and the weight version that made each token; a step
 that fails in the runner changes no request and no block. `abort` cancels; `update_weights`
-swaps the model's weights between steps; `stream` yields one request's tokens as they come; `generate` serves a
-whole batch of prompts; `serve` replays a timed workload (traffic.TimedRequest) against the
-clock. Every step is logged (steplog), and every figure of the chapter is computed from that log
-and the requests' timestamps (metrics). The simulator runs this same engine with a runner that
-times steps by a roofline model on a virtual clock.
+swaps the model's weights between steps; `export_request` and `import_request` move a request
+to another engine; `stream` yields one request's tokens as they come; `generate` serves a whole
+batch of prompts; `serve` replays a timed workload (traffic.TimedRequest) against the clock.
+Every step is logged (steplog), and every figure of the chapter is computed from that log and
+the requests' timestamps (metrics). The simulator runs this same engine with a runner that times
+steps by a roofline model on a virtual clock.
 """
 from __future__ import annotations
 

@@ -13,10 +13,10 @@ Each request gets a `RequestHandle`: iterate it, with `for` in a thread or `asyn
 task, for its `TokenEvent`s (token, log-probability, weight version, finish reason, and which of
 n samples); each sample's last event carries its finish reason. `update_weights` checks and lays
 out new weights in the caller's thread and swaps them in between two steps; `export` and
-`import_request` move a request, with its K and V, to another loop's engine. Requests take the caller's
-string id or a generated one. When `max_waiting` requests already wait, `submit` raises
-`Overloaded` with an estimate of when to retry. `shutdown(drain=True)` serves what was
-submitted and stops the thread; `shutdown(drain=False)` aborts it.
+`import_request` move a request, with its K and V, to another loop's engine. Requests take the
+caller's string id or a generated one. When `max_waiting` requests already wait, `submit` raises
+`Overloaded` with an estimate of when to retry. `shutdown(drain=True)` serves what was submitted
+and stops the thread; `shutdown(drain=False)` aborts it.
 """
 from __future__ import annotations
 
@@ -203,8 +203,8 @@ class EngineLoop:
         self._ids = itertools.count()
         self._finishes: deque[float] = deque(maxlen=64)  # when recent requests ended (perf_counter)
         self._step_s: deque[float] = deque(maxlen=64)  # recent step times
-        self.weight_swaps: list[tuple[float, float]] = []  # each weight update in the loop's thread: (when it
-        # began on the engine's clock, seconds it took)
+        self.weight_swaps: deque[tuple[float, float]] = deque(maxlen=keep_steps)  # recent weight updates in the
+        # loop's thread: (when each began on the engine's clock, seconds it took)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         if start:
             self.start()
