@@ -102,7 +102,8 @@ def weight_updates(sizes: dict) -> dict:
     target = model.load("target")
     served = model.Transformer(target.config, target.w)
     rng = np.random.default_rng(1)
-    moved = {name: (w + 0.3 * w.std() * rng.standard_normal(w.shape)).astype(np.float32) for name, w in target.w.items()}
+    moved = {name: (w + 0.3 * w.std() * rng.standard_normal(w.shape)).astype(np.float32)
+             for name, w in target.w.items()}
     states = [dict(target.w), moved]
     n, new = sizes["streams"], sizes["stream_tokens"]
     config = EngineConfig(policy="chunked", max_batch=n, num_blocks=n * -(-(40 + new) // 16) + 8, block_size=16)
@@ -131,7 +132,8 @@ def weight_updates(sizes: dict) -> dict:
                               if 0 < np.searchsorted(starts, b) < len(starts)])
     worst = max(paused)
     return {"updates": len(swaps), "prepare_ms_median": 1e3 * statistics.median(prepare_s),
-            "swap_ms_median": 1e3 * statistics.median(s for _, s in swaps), "swap_ms_max": 1e3 * max(s for _, s in swaps),
+            "swap_ms_median": 1e3 * statistics.median(s for _, s in swaps),
+            "swap_ms_max": 1e3 * max(s for _, s in swaps),
             "pause_ms_median": 1e3 * statistics.median(paused), "pause_ms_max": 1e3 * worst,
             "other_gaps_ms_median": 1e3 * float(np.median(others)), "steps": len(log),
             "bar": f"pause <= {1e3 * PAUSE_BAR_S:.0f} ms", "passed": worst <= PAUSE_BAR_S}
@@ -235,8 +237,8 @@ def move(sizes: dict, rounds: int) -> dict:
 def headline(name: str, figures: dict) -> str:
     if name == "weight_updates":
         f = figures
-        return (f"{f['updates']} updates: prepare {f['prepare_ms_median']:.2f} ms (caller), swap {f['swap_ms_median']:.3f}"
-                f" ms median; pause between steps median {f['pause_ms_median']:.2f} ms, max {f['pause_ms_max']:.2f} ms "
+        return (f"{f['updates']} updates: prepare {f['prepare_ms_median']:.2f} ms (caller), "
+                f"swap {f['swap_ms_median']:.3f} ms median; pause between steps median {f['pause_ms_median']:.2f} ms, max {f['pause_ms_max']:.2f} ms "
                 f"(other gaps {f['other_gaps_ms_median']:.3f} ms) ({f['bar']}: {'met' if f['passed'] else 'missed'})")
     if name == "n_samples":
         b = figures["blocks_after_first_decode"]

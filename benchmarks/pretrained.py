@@ -149,7 +149,8 @@ def decode(sizes: dict, rounds: int) -> dict:
     bandwidth = read_bandwidth()
     roof = bandwidth / weight_bytes  # tokens/s if each token read every weight once at that bandwidth
     ratio, int8 = rate["engine"] / rate["transformers"], rate["engine_int8"] / rate["transformers"]
-    return {"tokens_per_s": rate, "tokens_made": made, "engine_over_transformers": ratio, "int8_over_transformers": int8,
+    return {"tokens_per_s": rate, "tokens_made": made, "engine_over_transformers": ratio,
+            "int8_over_transformers": int8,
             "int4_g32_over_transformers": rate["engine_int4_g32"] / rate["transformers"],
             "read_GBps": bandwidth / 1e9, "weight_bytes_fp32": weight_bytes, "roof_tokens_per_s": roof,
             "share_of_roof": {name: rate[name] / roof for name in ("engine", "transformers")}, "rounds": rounds,
