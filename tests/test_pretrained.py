@@ -137,18 +137,18 @@ def test_bad_files_and_messages_are_refused_by_name(ours, path, tmp_path):
 
 def test_the_engine_serves_it_with_prefix_caches_preemption_and_speculation(ours):
     """The same greedy tokens from the plain engine, from the radix and block-hash prefix caches
-    (prompts that share a prefix), from a pool small enough to preempt, and with prompt-lookup
-    speculative decoding."""
+    (prompts that share a prefix, served twice), from a pool small enough to preempt, and with
+    prompt-lookup speculative decoding."""
     from infra_lab.serving.drafters import PromptLookupDrafter
 
     model, tokenizer = ours
     shared = "def area(radius):\n    return 3.14159 * radius * radius\n\n\n"
     prompts = [tokenizer.encode(shared + tail) for tail in ("def perimeter(radius):\n", "def volume(radius):\n",
                                                             "print(area(2))\nprint(area(")]
-    params = SamplingParams(max_tokens=20)
+    params = SamplingParams(max_tokens=10)
     numba = backends.resolve("numba", "cpu")
     plain = Engine(model, EngineConfig(policy="chunked", num_blocks=32), numba).generate(prompts, params)
-    need = max(-(-(len(p) + 20) // 16) for p in prompts)
+    need = max(-(-(len(p) + 10) // 16) for p in prompts)
     variants = {
         "radix": Engine(model, EngineConfig(policy="chunked", block_size=1, num_blocks=400, prefix_cache="radix"), numba),
         "hash": Engine(model, EngineConfig(policy="chunked", num_blocks=32, prefix_cache="hash"), numba),
@@ -157,7 +157,8 @@ def test_the_engine_serves_it_with_prefix_caches_preemption_and_speculation(ours
                               drafter=PromptLookupDrafter(model.config.vocab)),
     }
     for name, engine in variants.items():
-        for _ in range(2):  # the second time, the caches hold the prompts
+        rounds = 2 if engine.config.prefix_cache else 1  # the second time, the caches hold the prompts
+        for _ in range(rounds):
             assert engine.generate(prompts, params) == plain, name
     assert sum(len(r.preempted) for r in variants["preempting"].log) > 0
     assert all(sum(r.cached_tokens for r in variants[name].requests.values()) > 0 for name in ("radix", "hash"))

@@ -1,5 +1,7 @@
 """quant.matmul: the dequantizing products on numpy, numba and torch agree with the float product
 of the dequantized matrix, and QuantizedMatrix stores what formats.quantize_int gives."""
+import unittest.mock
+
 import numpy as np
 import pytest
 from _numerics import EPS32, fp32_tolerance
@@ -8,6 +10,7 @@ from hypothesis import strategies as st
 
 from infra_lab import backend as backends
 from infra_lab.quant import formats
+from infra_lab.quant import matmul as qmatmul
 from infra_lab.quant.matmul import QuantizedMatrix, matmul, matmul_numba, matmul_numpy, matmul_torch
 
 FACES = [matmul_numpy, matmul_numba]
@@ -53,6 +56,21 @@ def test_every_face_computes_x_times_the_dequantized_matrix(seed, bits, group, b
     exact = x.astype(np.float64) @ matrix.dequantize().astype(np.float64)
     for face in FACES:  # measured: up to 0.04 of the tolerance (numba, 3 and 4 bits), 0.02 elsewhere
         assert np.all(np.abs(face(x, matrix) - exact) <= tolerance(x, matrix, face)), face.__name__
+    with unittest.mock.patch.object(qmatmul, "ONE_THREAD_BYTES", 0):  # numba's threads, even for this size
+        assert np.all(np.abs(matmul_numba(x, matrix) - exact) <= tolerance(x, matrix, matmul_numba))
+
+
+def test_one_thread_and_the_threads_give_the_same_bits():
+    """A product under ONE_THREAD_BYTES runs on the calling thread; the same sums in the same
+    order on the threads (each tile's outputs are one thread's), so the same floats."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 576)).astype(np.float32)
+    for bits, group in ((8, None), (4, 32)):
+        matrix = QuantizedMatrix.quantize(rng.standard_normal((576, 320)).astype(np.float32), bits, group)
+        assert 3 * matrix.tiles.nbytes < qmatmul.ONE_THREAD_BYTES
+        alone = matmul_numba(x, matrix)
+        with unittest.mock.patch.object(qmatmul, "ONE_THREAD_BYTES", 0):
+            assert np.array_equal(matmul_numba(x, matrix), alone)
 
 
 def test_the_matrix_holds_formats_codes_and_scales():

@@ -228,6 +228,26 @@ def test_sizes_and_names(target, quantized_models):
                                       rtn3.quantized[key].dequantize())
 
 
+@pytest.mark.numerics
+def test_head_bits_rounds_the_lm_head_too(target, tokens):
+    """head_bits=8: the LM head read as int8 per channel on every face (as llama.cpp's files keep
+    it), the embedding left in float, the weight-only path for the head under SmoothQuant too."""
+    rtn = quantize_model(target, "rtn", 4, 32, head_bits=8)
+    head = rtn.quantized["lm_head"]
+    assert (head.bits, head.group, rtn.head_bits, rtn.bits, rtn.group) == (8, target.config.d_model, 8, 4, 32)
+    assert rtn.name == "rtn int4 g32, head int8" and quantize_model(target, "rtn", 4, 32).head_bits is None
+    np.testing.assert_array_equal(rtn.w["lm_head"], head.dequantize())
+    np.testing.assert_array_equal(rtn.w["embed"], target.w["embed"])
+    rtn8 = quantize_model(target, "rtn", 8, head_bits=8)
+    assert rtn8.weight_bytes == quantize_model(target, "rtn", 8).weight_bytes - target.w["lm_head"].size + \
+        2 * target.config.vocab  # int8 codes and one fp16 scale per output, in place of fp16 weights
+    logits = {name: rtn.forward(tokens, backend=face(name)) for name in FACES}
+    for name in FACES[1:]:
+        np.testing.assert_allclose(logits[name], logits["numpy"], rtol=0, atol=1e-3)
+    with pytest.raises(ValueError, match="head_bits must be one of 3, 4, 8, or None for a float LM head; got 16"):
+        quantize_model(target, "rtn", 4, 32, head_bits=16)
+
+
 # ---- bad arguments -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("method, bits, group, message", [
@@ -271,9 +291,9 @@ def test_bad_calibration_and_options_are_named(target, calibration, quantized_mo
 
 def test_a_quantized_model_takes_only_its_layers_matrices(target):
     matrix = quantize_model(target, "rtn", 8).quantized["layers.0.wo"]
-    with pytest.raises(ValueError, match=r"quantized matrices must be among the layers' matrices with their shapes "
-                                         r"\(layers.0.qkv, .*\); got lm_head \(128, 128\)"):
-        QuantizedTransformer(target.config, target.w, {"lm_head": matrix}, "rtn")
+    with pytest.raises(ValueError, match=r"quantized matrices must be among the layers' matrices and the LM head, "
+                                         r"with their shapes \(layers.0.qkv, .*, lm_head\); got lm_head \(128, 128\)"):
+        QuantizedTransformer(target.config, target.w, {"layers.0.wo": matrix, "lm_head": matrix}, "rtn")
     mixed = {"layers.0.wo": matrix, "layers.1.wo": quantize_model(target, "rtn", 4).quantized["layers.1.wo"]}
     with pytest.raises(ValueError, match=r"one format \(bits, group\) for all its quantized matrices; got "
                                          r"\[\(4, None\), \(8, None\)\]"):

@@ -57,14 +57,25 @@ def flat_pool(pool) -> tuple[np.ndarray, int]:
     pool = np.asarray(pool)
     if pool.ndim != 4 or len(pool) == 0:
         raise ValueError(f"need a pool (num_blocks >= 1, block_size, n_kv_heads, d); got shape {pool.shape}")
-    block_values = math.prod(pool.shape[1:])
-    within = np.empty(pool.shape[1:], pool.dtype).strides  # C-contiguous strides inside a block
+    _, block_size, n_kv, d = pool.shape
+    block_values, item = block_size * n_kv * d, pool.itemsize
     stride = pool.strides[0]
-    if pool.strides[1:] != within or stride % pool.itemsize or stride < block_values * pool.itemsize:
-        pool = np.ascontiguousarray(pool)
-        stride = block_values * pool.itemsize
-    span = (len(pool) - 1) * (stride // pool.itemsize) + block_values
-    return np.lib.stride_tricks.as_strided(pool, (span,), (pool.itemsize,), writeable=False), stride // pool.itemsize
+    if pool.strides[1:] != (n_kv * d * item, d * item, item) or stride % item or stride < block_values * item:
+        pool = np.ascontiguousarray(pool)  # rows within a block apart: copy
+        stride = block_values * item
+    span = (len(pool) - 1) * (stride // item) + block_values
+    root = pool
+    while isinstance(root.base, np.ndarray):  # the array that owns the memory, when it is contiguous
+        root = root.base
+    if root is not pool and root.flags.c_contiguous and root.dtype == pool.dtype:
+        start = (pool.__array_interface__["data"][0] - root.__array_interface__["data"][0]) // item
+        flat = root.reshape(-1)[start:start + span]  # a plain view: cheaper than as_strided (the engine
+        # makes one per layer per step)
+    else:
+        flat = np.lib.stride_tricks.as_strided(pool, (span,), (item,))
+    flat = flat.view()
+    flat.flags.writeable = False
+    return flat, stride // item
 
 
 def address_order(block_tables, lengths, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -4,7 +4,8 @@ matrices, served by the same engine through the same `step`.
 The four layers' matrices are quantized, the fused ones as one matrix each (qkv, gate_up): per-output
 quantization of a fused matrix is that of its parts, and AWQ and SmoothQuant then give q, k and v one
 shared input scale, as AWQ does. The embedding and the LM head stay in float, as GPTQ and AWQ leave
-them, and count at fp16 in the size. Methods: round-to-nearest ("rtn"); GPTQ (Frantar et al., 2023)
+them, and count at fp16 in the size; `head_bits` rounds the LM head too (to nearest, per channel),
+as llama.cpp's files keep it (SmolLM2's Q4_1 file: its tied head in 8 bits). Methods: round-to-nearest ("rtn"); GPTQ (Frantar et al., 2023)
 and AWQ (Lin et al., 2024), fitted to the activations that meet each matrix on windows of the
 training split; SmoothQuant (Xiao et al., 2023), W8A8: int8 weights, and activations quantized per
 token at inference.
@@ -29,6 +30,9 @@ NEEDS_CALIBRATION = ("awq", "gptq", "smoothquant")
 CALIBRATION_WINDOWS = 32  # random 512-byte windows of the training split: 16,384 tokens
 CALIBRATION_ROWS = 4096  # of those tokens, the ones kept (the same for every matrix): GPTQ's and AWQ's samples
 WINDOW = 512  # bytes (tokens) per window: the model's context
+
+
+HEAD = "lm_head"  # quantized only when quantize_model is given head_bits
 
 
 def quantized_keys(config: ModelConfig) -> list[str]:
@@ -93,14 +97,16 @@ def _prefill(model: Transformer, windows: np.ndarray, backend: backends.Backend)
 # ---- quantizing ----------------------------------------------------------------------------------
 
 def quantize_model(model: Transformer, method, bits: int, group: int | None = None,
-                   calibration: dict | None = None, *, progress: bool = False, **options) -> QuantizedTransformer:
+                   calibration: dict | None = None, *, head_bits: int | None = None, progress: bool = False,
+                   **options) -> QuantizedTransformer:
     """`model` with its layers' matrices quantized by `method` (METHODS) to `bits` with a scale per
     `group` inputs of each output (None: per channel). awq, gptq and smoothquant fit each matrix to
     `calibration` (calibration_inputs' dict), made with its defaults when None; rtn needs none.
     `method` may also be a function of one's own, `method(weights (n_in, n_out), inputs (n, n_in),
     bits, group) -> QuantizedMatrix` (chapter 08's last exercise), calibrated like gptq and named
     after the function. `options` go to the method: gptq's damp, awq's grid, smoothquant's alpha.
-    The model is not changed; a bad argument is named before any work is done."""
+    `head_bits` (8, 4 or 3) rounds the LM head to nearest, one scale per output; None leaves it
+    float. The model is not changed; a bad argument is named before any work is done."""
     if isinstance(model, QuantizedTransformer):
         raise ValueError(f"quantize the float model, not a quantized one ({model.name})")
     if model.config.n_experts > 1:
@@ -120,6 +126,9 @@ def quantize_model(model: Transformer, method, bits: int, group: int | None = No
         allowed = f"{', '.join(map(str, most))} or {last}" if most else str(last)
         why = " (W8A8: int8 weights and activations)" if method == "smoothquant" else ""
         raise ValueError(f"{method} quantizes to {allowed} bits{why}; got bits={bits!r}")
+    if head_bits is not None and (isinstance(head_bits, bool) or head_bits not in qmatmul.MATRIX_BITS):
+        raise ValueError(f"head_bits must be one of {', '.join(map(str, qmatmul.MATRIX_BITS))}, or None for a "
+                         f"float LM head; got {head_bits!r}")
     calibrated = custom is not None or method in NEEDS_CALIBRATION
     keys = quantized_keys(model.config)
     _check_group(method, bits, group, {key: model.matrices[key].shape[0] for key in keys})
@@ -141,6 +150,8 @@ def quantize_model(model: Transformer, method, bits: int, group: int | None = No
                               _quantize_one(model.matrices[key], method, bits, group, inputs, options))
         except ValueError as error:
             raise ValueError(f"{key}: {error}") from None
+    if head_bits is not None:
+        quantized[HEAD] = QuantizedMatrix.quantize(model.matrices[HEAD], head_bits)
     return QuantizedTransformer(model.config, model.w, quantized, method, model.figures)
 
 
@@ -192,11 +203,12 @@ def _quantize_one(weights: np.ndarray, method: str, bits: int, group, inputs, op
 # ---- the quantized model -------------------------------------------------------------------------
 
 class QuantizedTransformer(Transformer):
-    """A Transformer whose layers' matrices are read quantized: the same `step`, `forward`,
-    `decode_batch` and caches. On numpy and numba `linear` multiplies with quant.matmul (SmoothQuant:
-    with the activations quantized per token too); on torch the model is a TorchTransformer of the
-    dequantized weights, fake-quantizing SmoothQuant's activations the same way. `self.w` holds the
-    effective (dequantized) weights: the model this one computes."""
+    """A Transformer whose layers' matrices (given head_bits, its LM head too) are read quantized:
+    the same `step`, `forward`, `decode_batch` and caches. On numpy and numba `linear` multiplies
+    with quant.matmul (SmoothQuant: with the activations quantized per token too); on torch the
+    model is a TorchTransformer of the dequantized weights, fake-quantizing SmoothQuant's
+    activations the same way. `self.w` holds the effective (dequantized) weights: the model this
+    one computes."""
 
     def __init__(self, config: ModelConfig, weights: dict, quantized: dict[str, QuantizedMatrix], method: str,
                  figures: dict | None = None):
@@ -204,16 +216,19 @@ class QuantizedTransformer(Transformer):
             raise ValueError(f"method must name the method (one of {', '.join(map(repr, METHODS))}, or one's "
                              f"own); got {method!r}")
         floats = matrices_of(config, weights)
-        kinds = {(m.bits, m.group if m.group != m.n_in else None) for m in quantized.values()}
+        for key, matrix in quantized.items():
+            if key not in [*quantized_keys(config), HEAD] or (matrix.n_in, matrix.n_out) != floats[key].shape:
+                raise ValueError(f"quantized matrices must be among the layers' matrices and the LM head, with their "
+                                 f"shapes ({', '.join(quantized_keys(config))}, {HEAD}); got {key} "
+                                 f"({matrix.n_in}, {matrix.n_out})")
+        if HEAD in quantized and quantized[HEAD].input_scale is not None:
+            raise ValueError("the quantized LM head takes its input as it comes: it must have no input_scale")
+        kinds = {(m.bits, m.group if m.group != m.n_in else None) for key, m in quantized.items() if key != HEAD}
         if len(kinds) != 1:
             raise ValueError(f"a quantized model has one format (bits, group) for all its quantized matrices; got "
                              f"{sorted(kinds, key=str) or 'no matrices'}")
         if method == "smoothquant" and kinds != {(8, None)}:
             raise ValueError(f"smoothquant is W8A8: its matrices must be int8 per channel; got (bits, group) {kinds}")
-        for key, matrix in quantized.items():
-            if key not in quantized_keys(config) or (matrix.n_in, matrix.n_out) != floats[key].shape:
-                raise ValueError(f"quantized matrices must be among the layers' matrices with their shapes "
-                                 f"({', '.join(quantized_keys(config))}); got {key} ({matrix.n_in}, {matrix.n_out})")
         effective = dict(weights)
         for key, matrix in quantized.items():
             effective |= split_fused(config, key, matrix.dequantize())
@@ -224,7 +239,7 @@ class QuantizedTransformer(Transformer):
             del self.matrices[key]
         # W8A8: x * input_scale is quantized per token, then meets the int8 codes alone
         self._input_scales = {key: np.ones(m.n_in, np.float32) if m.input_scale is None else m.input_scale
-                              for key, m in quantized.items() if method == "smoothquant"}
+                              for key, m in quantized.items() if method == "smoothquant" and key != HEAD}
         self._codes_only = {key: dataclasses.replace(quantized[key], input_scale=None) for key in self._input_scales}
 
     def prepare_weights(self, state: dict, version: int, check: bool = True):
@@ -237,7 +252,7 @@ class QuantizedTransformer(Transformer):
         matrix = self.quantized.get(key)
         if matrix is None:
             return super().linear(x, key, backend)
-        if self.method != "smoothquant":
+        if key not in self._input_scales:  # weight-only: the activations meet the codes as they are
             return qmatmul.matmul(x, matrix, backend)
         from infra_lab.quant import smoothquant
 
@@ -256,20 +271,30 @@ class QuantizedTransformer(Transformer):
 
     @property
     def bits(self) -> int:
-        return next(iter(self.quantized.values())).bits
+        """The layers' matrices' bits (head_bits: the LM head's, when it is quantized)."""
+        return self._a_layer_matrix().bits
 
     @property
     def group(self) -> int | None:
-        """Inputs per scale; None for one scale per output channel."""
-        matrix = next(iter(self.quantized.values()))
+        """Inputs per scale in the layers' matrices; None for one scale per output channel."""
+        matrix = self._a_layer_matrix()
         return None if matrix.group == matrix.n_in else matrix.group
 
     @property
+    def head_bits(self) -> int | None:
+        return self.quantized[HEAD].bits if HEAD in self.quantized else None
+
+    def _a_layer_matrix(self) -> QuantizedMatrix:
+        return next(m for key, m in self.quantized.items() if key != HEAD)
+
+    @property
     def name(self) -> str:
-        """Like "gptq int4 g32", "rtn int8 per-channel" or "smoothquant w8a8"."""
+        """Like "gptq int4 g32", "rtn int8 per-channel", "smoothquant w8a8" or, with the LM head
+        quantized, "rtn int4 g32, head int8"."""
+        head = "" if self.head_bits is None else f", head int{self.head_bits}"
         if self.method == "smoothquant":
-            return "smoothquant w8a8"
-        return f"{self.method} int{self.bits} {'per-channel' if self.group is None else f'g{self.group}'}"
+            return "smoothquant w8a8" + head
+        return f"{self.method} int{self.bits} {'per-channel' if self.group is None else f'g{self.group}'}{head}"
 
     def describe(self) -> str:
         return (f"{self.name}: {self.weight_bytes / 1e6:.3f} MB of weights ({self.fp16_bytes / self.weight_bytes:.2f}x "

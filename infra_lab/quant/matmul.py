@@ -24,8 +24,9 @@ row of x in plain loops over its lanes, which LLVM vectorizes (for int4 it never
 into two nibbles: byte * x_j + (byte >> 4) * (x_(j+g/2) - 16 x_j) is low * x_j + high * x_(j+g/2),
 so one shift per byte does, with x's side prepared once per call). A tile is one stream of
 lines, but the kernel spends long enough on each that the hardware prefetchers fall behind, so it
-asks for the line AHEAD lines on (kernels.prefetch) as it goes. torch dequantizes on the
-tensors' device and multiplies there.
+asks for the line AHEAD lines on (kernels.prefetch) as it goes. The tiles are shared among the
+threads, except for a product too small to pay for waking them (ONE_THREAD_BYTES), which one
+thread runs. torch dequantizes on the tensors' device and multiplies there.
 """
 from __future__ import annotations
 
@@ -41,6 +42,11 @@ from infra_lab.quant import formats
 MATRIX_BITS = (3, 4, 8)
 TILE_ROWS = 64  # outputs per tile: one 64-byte cache line of codes per input byte
 AHEAD = 32  # lines of a tile a kernel asks for before it reads them (kernels.prefetch)
+# Below this many bytes read (codes times rows of x) a product runs on one thread. Between kernels
+# the threads sleep (OMP_WAIT_POLICY=PASSIVE, infra_lab/__init__.py), and waking them took about
+# 46 us on a 2-core VM, as long as one thread takes for 0.4 MB of int4 codes: SmolLM2-135M's int4
+# decode at batch 1 (120 products of 0.17 to 0.9 MB) ran 1.3x faster on one thread.
+ONE_THREAD_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -205,92 +211,135 @@ def matmul_numpy(x: np.ndarray, matrix: QuantizedMatrix) -> np.ndarray:
     return np.asarray(x, np.float32) @ matrix.dequantize()
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
-def _int8_tiles(x, tiles, scales, group, out):
-    # x (B, n_in) f32; tiles (T, n_in, rows) i8; scales (T, n_in / group, rows) f32; out (B, n_out)
+@numba.njit(fastmath=True, cache=True, inline="always")
+def _int8_tile(t, x, tiles, scales, group, out):
+    # tile t of W for every row of x: x (B, n_in) f32; tiles (T, n_in, rows) i8; scales
+    # (T, n_in / group, rows) f32; out (B, n_out)
     batch, n_in = x.shape
     rows = tiles.shape[2]
     flat = tiles.reshape(-1)
-    for t in numba.prange(tiles.shape[0]):
-        ahead = t * n_in * rows + AHEAD * rows  # the line AHEAD lines on, in flat
-        total = np.empty(rows, np.float32)  # the tile's outputs: its vector lanes
-        partial = np.empty(rows, np.float32)  # each output's codes times x over the group
-        for b in range(batch):
-            total[:] = 0
-            for g in range(n_in // group):
-                partial[:] = 0
-                i, stop = g * group, (g + 1) * group
-                while i + 4 <= stop:  # four inputs per pass: a quarter of the trips through `partial`
-                    for line in range(4):
-                        prefetch_l2(flat, min(ahead + (i + line) * rows, flat.size - 1))
-                    l0, l1, l2, l3 = tiles[t, i], tiles[t, i + 1], tiles[t, i + 2], tiles[t, i + 3]
-                    x0, x1, x2, x3 = x[b, i], x[b, i + 1], x[b, i + 2], x[b, i + 3]
-                    for r in range(rows):  # input i's codes for the tile's outputs, and the next three
-                        partial[r] += (np.float32(l0[r]) * x0 + np.float32(l1[r]) * x1) + \
-                            (np.float32(l2[r]) * x2 + np.float32(l3[r]) * x3)
-                    i += 4
-                for i in range(i, stop):
-                    line, xi = tiles[t, i], x[b, i]
-                    for r in range(rows):
-                        partial[r] += np.float32(line[r]) * xi
-                scale = scales[t, g]
+    ahead = t * n_in * rows + AHEAD * rows  # the line AHEAD lines on, in flat
+    total = np.empty(rows, np.float32)  # the tile's outputs: its vector lanes
+    partial = np.empty(rows, np.float32)  # each output's codes times x over the group
+    for b in range(batch):
+        total[:] = 0
+        for g in range(n_in // group):
+            partial[:] = 0
+            i, stop = g * group, (g + 1) * group
+            while i + 4 <= stop:  # four inputs per pass: a quarter of the trips through `partial`
+                for line in range(4):
+                    prefetch_l2(flat, min(ahead + (i + line) * rows, flat.size - 1))
+                l0, l1, l2, l3 = tiles[t, i], tiles[t, i + 1], tiles[t, i + 2], tiles[t, i + 3]
+                x0, x1, x2, x3 = x[b, i], x[b, i + 1], x[b, i + 2], x[b, i + 3]
+                for r in range(rows):  # input i's codes for the tile's outputs, and the next three
+                    partial[r] += (np.float32(np.int32(l0[r])) * x0 + np.float32(np.int32(l1[r])) * x1) + \
+                        (np.float32(np.int32(l2[r])) * x2 + np.float32(np.int32(l3[r])) * x3)  # via int32:
+                    # LLVM vectorizes that widening (1.6x faster on a 2-core EPYC than int8 -> float)
+                i += 4
+            for i in range(i, stop):
+                line, xi = tiles[t, i], x[b, i]
                 for r in range(rows):
-                    total[r] += partial[r] * scale[r]
-            out[b, t * rows:(t + 1) * rows] = total
+                    partial[r] += np.float32(line[r]) * xi
+            scale = scales[t, g]
+            for r in range(rows):
+                total[r] += partial[r] * scale[r]
+        out[b, t * rows:(t + 1) * rows] = total
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
-def _int4_tiles(x_first, x_rest, x_sums, tiles, scales, group, out):
-    # x_first (B, n_in / 2): each group's first half of x; x_rest: its second half minus 16 times
-    # the first; x_sums (B, G): each group's sum of x; tiles (T, n_in / 2, rows) u8; scales
-    # (T, G, rows) f32; out (B, n_out)
+@numba.njit(fastmath=True, cache=True, inline="always")
+def _int4_tile(t, x_first, x_rest, x_sums, tiles, scales, group, out):
+    # tile t of W for every row of x: x_first (B, n_in / 2), each group's first half of x;
+    # x_rest, its second half minus 16 times the first; x_sums (B, G), each group's sum of x;
+    # tiles (T, n_in / 2, rows) u8; scales (T, G, rows) f32; out (B, n_out)
     batch = x_first.shape[0]
     half = group // 2
     rows, n_bytes = tiles.shape[2], tiles.shape[1]
     flat = tiles.reshape(-1)
-    for t in numba.prange(tiles.shape[0]):
-        ahead = t * n_bytes * rows + AHEAD * rows  # the line AHEAD lines on, in flat
-        total = np.empty(rows, np.float32)
-        partial = np.empty(rows, np.float32)
-        for b in range(batch):
-            total[:] = 0
-            for g in range(x_first.shape[1] // half):
-                partial[:] = 0
-                j, stop = g * half, (g + 1) * half
-                while j + 2 <= stop:  # two bytes per pass: half the trips through `partial`
-                    prefetch_l2(flat, min(ahead + j * rows, flat.size - 1))
-                    prefetch_l2(flat, min(ahead + (j + 1) * rows, flat.size - 1))
-                    l0, f0, r0 = tiles[t, j], x_first[b, j], x_rest[b, j]
-                    l1, f1, r1 = tiles[t, j + 1], x_first[b, j + 1], x_rest[b, j + 1]
-                    for r in range(rows):  # byte = low + 16 high, so byte * first + high * rest
-                        b0, b1 = np.int32(l0[r]), np.int32(l1[r])  # = low * first + high * second
-                        partial[r] += (np.float32(b0) * f0 + np.float32(b0 >> 4) * r0) + \
-                            (np.float32(b1) * f1 + np.float32(b1 >> 4) * r1)
-                    j += 2
-                for j in range(j, stop):
-                    line, first, rest = tiles[t, j], x_first[b, j], x_rest[b, j]
-                    for r in range(rows):
-                        byte = np.int32(line[r])
-                        partial[r] += np.float32(byte) * first + np.float32(byte >> 4) * rest
-                correction, scale = np.float32(8) * x_sums[b, g], scales[t, g]  # nibbles hold v + 8
+    ahead = t * n_bytes * rows + AHEAD * rows  # the line AHEAD lines on, in flat
+    total = np.empty(rows, np.float32)
+    partial = np.empty(rows, np.float32)
+    for b in range(batch):
+        total[:] = 0
+        for g in range(x_first.shape[1] // half):
+            partial[:] = 0
+            j, stop = g * half, (g + 1) * half
+            while j + 2 <= stop:  # two bytes per pass: half the trips through `partial`
+                prefetch_l2(flat, min(ahead + j * rows, flat.size - 1))
+                prefetch_l2(flat, min(ahead + (j + 1) * rows, flat.size - 1))
+                l0, f0, r0 = tiles[t, j], x_first[b, j], x_rest[b, j]
+                l1, f1, r1 = tiles[t, j + 1], x_first[b, j + 1], x_rest[b, j + 1]
+                for r in range(rows):  # byte = low + 16 high, so byte * first + high * rest
+                    b0, b1 = np.int32(l0[r]), np.int32(l1[r])  # = low * first + high * second
+                    partial[r] += (np.float32(b0) * f0 + np.float32(b0 >> 4) * r0) + \
+                        (np.float32(b1) * f1 + np.float32(b1 >> 4) * r1)
+                j += 2
+            for j in range(j, stop):
+                line, first, rest = tiles[t, j], x_first[b, j], x_rest[b, j]
                 for r in range(rows):
-                    total[r] += (partial[r] - correction) * scale[r]
-            out[b, t * rows:(t + 1) * rows] = total
+                    byte = np.int32(line[r])
+                    partial[r] += np.float32(byte) * first + np.float32(byte >> 4) * rest
+            correction, scale = np.float32(8) * x_sums[b, g], scales[t, g]  # nibbles hold v + 8
+            for r in range(rows):
+                total[r] += (partial[r] - correction) * scale[r]
+        out[b, t * rows:(t + 1) * rows] = total
+
+
+@numba.njit(fastmath=True, cache=True)
+def _int4_inputs(x, group):
+    """x (B, n_in) -> x_first, x_rest (B, n_in / 2) and x_sums (B, G): each group's first half
+    of x, its second half minus 16 times the first, and its sum (what _int4_tile meets)."""
+    batch, n_in = x.shape
+    half = group // 2
+    x_first = np.empty((batch, n_in // 2), np.float32)
+    x_rest = np.empty((batch, n_in // 2), np.float32)
+    x_sums = np.zeros((batch, n_in // group), np.float32)
+    for b in range(batch):
+        for g in range(n_in // group):
+            for j in range(half):
+                first, second = x[b, g * group + j], x[b, g * group + half + j]
+                x_first[b, g * half + j] = first
+                x_rest[b, g * half + j] = second - 16 * first
+                x_sums[b, g] += first + second
+    return x_first, x_rest, x_sums
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def _int8_threads(x, tiles, scales, group, out):
+    for t in numba.prange(tiles.shape[0]):
+        _int8_tile(t, x, tiles, scales, group, out)
+
+
+@numba.njit(fastmath=True, cache=True)
+def _int8_one_thread(x, tiles, scales, group, out):
+    for t in range(tiles.shape[0]):
+        _int8_tile(t, x, tiles, scales, group, out)
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def _int4_threads(x, tiles, scales, group, out):
+    x_first, x_rest, x_sums = _int4_inputs(x, group)
+    for t in numba.prange(tiles.shape[0]):
+        _int4_tile(t, x_first, x_rest, x_sums, tiles, scales, group, out)
+
+
+@numba.njit(fastmath=True, cache=True)
+def _int4_one_thread(x, tiles, scales, group, out):
+    x_first, x_rest, x_sums = _int4_inputs(x, group)
+    for t in range(tiles.shape[0]):
+        _int4_tile(t, x_first, x_rest, x_sums, tiles, scales, group, out)
 
 
 def matmul_numba(x: np.ndarray, matrix: QuantizedMatrix) -> np.ndarray:
-    """CPU: each thread streams its tiles of codes once for every row of x."""
+    """CPU: each thread streams its tiles of codes once for every row of x; a product that reads
+    fewer than ONE_THREAD_BYTES (its codes times the rows of x) runs on the calling thread."""
     _check(x, matrix)
     x = np.ascontiguousarray(_scaled(x, matrix), np.float32)
     out = np.empty((x.shape[0], matrix.n_out), np.float32)
+    one_thread = x.shape[0] * matrix.tiles.nbytes < ONE_THREAD_BYTES
     if matrix.bits != 8:
-        halves = x.reshape(x.shape[0], -1, 2, matrix.group // 2)  # (B, G, 2, group / 2)
-        x_first = np.ascontiguousarray(halves[:, :, 0]).reshape(x.shape[0], -1)
-        x_rest = np.ascontiguousarray(halves[:, :, 1] - 16 * halves[:, :, 0]).reshape(x.shape[0], -1)
-        x_sums = halves.sum((2, 3))  # (B, G)
-        _int4_tiles(x_first, x_rest, x_sums, matrix.tiles, matrix.tile_scales, matrix.group, out)
+        (_int4_one_thread if one_thread else _int4_threads)(x, matrix.tiles, matrix.tile_scales, matrix.group, out)
     else:
-        _int8_tiles(x, matrix.tiles, matrix.tile_scales, matrix.group, out)
+        (_int8_one_thread if one_thread else _int8_threads)(x, matrix.tiles, matrix.tile_scales, matrix.group, out)
     return out
 
 
