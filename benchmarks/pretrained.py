@@ -5,21 +5,26 @@ Sections:
 - exact: 20 prompts (code and prose), 64 greedy tokens each, served together by the engine
   (continuous batching, chunked prefill, paged KV) and by transformers' generate one prompt at a
   time: how many prompts agree on every token, and the first disagreement if any.
-- decode: batch-1 greedy decode of 64 tokens after a 32-token prompt, tokens/s of the engine
-  (numba face: float32, and chapter 08's int8 per channel and int4 in groups of 32, round to
-  nearest) and of transformers' generate (float32), the median of rounds; the float32 ones as a
-  share of this machine's read bandwidth (numpy, the same run) at the float32 weight bytes a token
-  reads. Targets: the engine's float32 at least 0.9x transformers, its int8 at least 1.8x.
+- decode: batch-1 greedy decode of 64 tokens after a 32-token prompt (no end-of-text stop, so every
+  variant makes all 64), tokens/s of the engine (numba face: float32, and chapter 08's int8 per
+  channel and int4 in groups of 32, round to nearest, each with an int8 LM head as the file's Q8_0
+  table), of transformers' generate (float32) and of llama.cpp (llama-cpp-python, the same file,
+  built from source here on first use: llama_cpp_module), the median of 7 rounds in turns, each
+  ratio the median of the rounds' own ratios with its 95% interval; each rate as a share of this
+  machine's read bandwidth (numpy, the same run) at the weight bytes a token reads.
+  Targets: the engine's float32 at least 0.9x transformers, its int8 at least 1.8x, its int4 at
+  least 0.7x llama.cpp.
 - saturation: 64 requests at once with chapter 05's ShareGPT-like lengths (traffic.sharegpt_lengths,
   within 512 tokens; each generates exactly its output length, no end-of-text stop, as vLLM's
   benchmarks do), prompts of held-out standard-library text. Output tokens/s of the engine's
-  chunked continuous batching, of its static batching (one batch runs until its longest member
-  ends), and of transformers' static batches (left-padded generate; batches of 16 and 64, the
-  better one), beside the ceiling E[longest]/E[mean] of the same lengths (traffic.static_ceiling).
-  Targets: continuous at least 2x transformers, and at least 2.5x the engine's static batching
-  (or below the ceiling, which bounds it).
-- memory: the weight bytes by format (as stored in the file, and as float32) and the KV bytes per
-  token (2 x layers x KV heads x head size x 4).
+  chunked continuous batching (max_batch 64), of transformers' static batches of 16 (left-padded
+  generate; a batch of 64 did worse here, 24 against 37 tokens/s on 2026-12-06, and takes 7
+  minutes) and of llama.cpp's one stream (the requests one after another). Targets: at least 2x
+  transformers and at least 3x llama.cpp. Continuous against static batching on this model is
+  benchmarks/serving.py's weight_bound section, at a batch whose step still reads weights.
+- memory: the weight bytes by format in the file; the arithmetic (float32 weights, KV bytes a token,
+  2 x layers x KV heads x head size x 4, and a pool of 1,024 blocks); and, each in a fresh process,
+  the resident memory the float32 and the int4 model take, and an engine with that pool.
 
     python benchmarks/pretrained.py [--quick] [--only SECTION] [--rounds N] [--json PATH]
 
@@ -28,7 +33,9 @@ pulled first (`infra-lab models pull smollm2-135m`).
 """
 from __future__ import annotations
 
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,17 +51,23 @@ from infra_lab.serving.engine import Engine
 from infra_lab.serving.request import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_core import run_sections, section_parser  # noqa: E402
+from engine_core import median_interval, run_sections, section_parser  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "pretrained.json"
 SECTIONS = ("exact", "decode", "saturation", "memory")
 NAME = "smollm2-135m"
-FULL = {"prompts": 20, "exact_tokens": 64, "decode_prompt": 32, "decode_tokens": 64, "rounds": 5, "requests": 64,
-        "hf_batches": (16, 64), "max_len": 512}
+FULL = {"prompts": 20, "exact_tokens": 64, "decode_prompt": 32, "decode_tokens": 64, "rounds": 7, "requests": 64,
+        "hf_batches": (16,), "max_len": 512}
 QUICK = {"prompts": 3, "exact_tokens": 8, "decode_prompt": 16, "decode_tokens": 8, "rounds": 2, "requests": 8,
          "hf_batches": (4, 8), "max_len": 96}
 DECODE_TARGET = 0.9  # the engine's batch-1 decode against transformers' (both float32)
 INT8_TARGET = 1.8  # the engine's int8 weights against transformers' float32
+INT4_TARGET = 0.7  # the engine's int4 weights against llama.cpp reading the file's Q4_1
+
+
+def ratio_figures(per_round: list[float]) -> dict:
+    """A ratio's median over rounds, with a 95% interval for that median (order statistics)."""
+    return {"median": statistics.median(per_round), "interval_95": median_interval(per_round), "per_round": per_round}
 
 
 def prompts_of(tokenizer, n: int) -> list[list[int]]:
@@ -103,6 +116,45 @@ def stop_tokens(reference) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
 
 
+LLAMA_CPP = "llama-cpp-python==0.3.36"
+# llama.cpp's build for this CPU family without -DGGML_NATIVE: with its default (native) build, the
+# library crashed with a segmentation fault at its first evaluation on a 2-core AMD EPYC that
+# reports AMX; these flags turn on every vector extension that CPU has short of AMX.
+LLAMA_CPP_CMAKE = ("-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON "
+                   "-DGGML_AVX512_VNNI=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_BF16=ON")
+
+
+def llama_cpp_module():
+    """llama-cpp-python, built from source into this environment on first use (about 4 minutes
+    on 2 cores, with LLAMA_CPP_CMAKE), so that the benchmark needs nothing installed by hand."""
+    try:
+        import llama_cpp
+    except ImportError:
+        print(f"building {LLAMA_CPP} from source (CMAKE_ARGS={LLAMA_CPP_CMAKE!r}) ...", flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-binary", "llama-cpp-python", LLAMA_CPP],
+                       env=os.environ | {"CMAKE_ARGS": LLAMA_CPP_CMAKE}, check=True)
+        import llama_cpp
+    return llama_cpp
+
+
+def llama_model(context: int):
+    """The same GGUF file in llama.cpp, on as many threads as torch uses."""
+    module = llama_cpp_module()
+    return module.Llama(model_path=str(pretrained.path_of(NAME)), n_ctx=context, n_batch=512,
+                        n_threads=torch.get_num_threads(), verbose=False)
+
+
+def llama_greedy(llm, prompt: list[int], k: int) -> list[int]:
+    """k greedy tokens after `prompt` from llama.cpp, its cache emptied first (no prefix reuse)."""
+    llm.reset()
+    made = []
+    for token in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, reset=False):
+        made.append(int(token))
+        if len(made) == k:
+            return made
+    return made
+
+
 def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
     """Bytes per second numpy reads (a sum over a large array), the best of `repeats`."""
     data = np.ones(megabytes * (1 << 20) // 4, np.float32)
@@ -114,49 +166,80 @@ def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
     return data.nbytes / best
 
 
+def bytes_per_token(model) -> int:
+    """The weight bytes one decoded token reads: every matrix as the kernels read it (float32, or
+    quantized codes with their float32 scales), the norms, and one row of the embedding table."""
+    c = model.config
+    quantized = getattr(model, "quantized", {})
+    # total_params counts a tied table once, as the head; an untied table is only indexed
+    floats = c.total_params - sum(m.n_in * m.n_out for m in quantized.values()) - (
+        0 if c.tied_embeddings else c.vocab * c.d_model)
+    norms = sum(model.w[name].size for name in model.w if "norm" in name)
+    return sum(m.nbytes for m in quantized.values()) + 4 * (floats + norms + c.d_model)
+
+
+def file_tensor_bytes() -> int:
+    """The tensors' bytes in the GGUF file: what llama.cpp reads a token (its head is the Q8_0
+    embedding table)."""
+    import gguf
+
+    return sum(int(t.n_bytes) for t in gguf.GGUFReader(pretrained.path_of(NAME)).tensors)
+
+
+QUANTIZED = (("int8", 8, None), ("int4_g32", 4, 32))  # (name, bits, group): round to nearest, head int8
+
+
 def decode(sizes: dict, rounds: int) -> dict:
     model, tokenizer = pretrained.load(NAME)
     reference = hf_model(pretrained.path_of(NAME))
     prompt = prompts_of(tokenizer, 1)[0][:sizes["decode_prompt"]]
     k = sizes["decode_tokens"]
-    engine = Engine(model, EngineConfig(policy="chunked", num_blocks=16), backend.resolve("numba", "cpu"))
-    params = SamplingParams(max_tokens=k, stop_tokens=stop_tokens(reference))
     numba = backend.resolve("numba", "cpu")
-    quantized = {f"engine_{name}": Engine(quantize_model(model, "rtn", bits, group),
-                                          EngineConfig(policy="chunked", num_blocks=16), numba)
-                 for name, bits, group in (("int8", 8, None), ("int4_g32", 4, 32))}
+    config = EngineConfig(policy="chunked", num_blocks=16)
+    engines = {"engine": Engine(model, config, numba)} | {
+        f"engine_{name}": Engine(quantize_model(model, "rtn", bits, group, head_bits=8), config, numba)
+        for name, bits, group in QUANTIZED}
+    llm = llama_model(2 * (len(prompt) + k))
+    exactly_k = SamplingParams(max_tokens=k)  # no end-of-text stop: every variant makes k tokens
 
-    def ours(on=engine):
-        return on.generate([prompt], params)[0]
-
-    def theirs():
+    def theirs(stop: bool = False):
         with torch.no_grad():
-            out = reference.generate(torch.tensor([prompt]), max_new_tokens=k, do_sample=False)
+            out = reference.generate(torch.tensor([prompt]), max_new_tokens=k, do_sample=False,
+                                     **({} if stop else {"min_new_tokens": k}))
         return out[0, len(prompt):].tolist()
 
-    assert ours() == theirs(), "the engine and transformers disagree on the decode prompt"
-    runs = {"engine": ours, "transformers": theirs} | {name: (lambda e=e: ours(e)) for name, e in quantized.items()}
-    for run in runs.values():
-        run()  # warm: the quantized kernels compile on their first call
-    seconds, made = {name: [] for name in runs}, {}
-    for r in range(rounds):
+    greedy = engines["engine"].generate([prompt], SamplingParams(max_tokens=k, stop_tokens=stop_tokens(reference)))
+    assert greedy[0] == theirs(stop=True), "the engine and transformers disagree on the decode prompt"
+    runs = {name: (lambda e=e: e.generate([prompt], exactly_k)[0]) for name, e in engines.items()}
+    runs |= {"transformers": theirs, "llama_cpp": lambda: llama_greedy(llm, prompt, k)}
+    made = {name: run() for name, run in runs.items()}  # warm: the quantized kernels compile on their first call
+    assert all(len(m) == k for m in made.values()), {name: len(m) for name, m in made.items()}
+    seconds = {name: [] for name in runs}
+    for r in range(rounds):  # the variants take turns, in the opposite order every other round
         for name, run in sorted(runs.items(), reverse=r % 2 == 1):
             started = time.perf_counter()
-            made[name] = len(run())  # a quantized model may end its answer sooner
+            run()
             seconds[name].append(time.perf_counter() - started)
-    rate = {name: made[name] / statistics.median(s) for name, s in seconds.items()}
-    weight_bytes = 4 * (model.config.total_params + sum(v.size for n, v in model.w.items() if "norm" in n))
+    rate = {name: k / statistics.median(s) for name, s in seconds.items()}
+    reads = {name: bytes_per_token(e.runner.model) for name, e in engines.items()}
+    reads |= {"transformers": reads["engine"], "llama_cpp": file_tensor_bytes()}
     bandwidth = read_bandwidth()
-    roof = bandwidth / weight_bytes  # tokens/s if each token read every weight once at that bandwidth
-    ratio, int8 = rate["engine"] / rate["transformers"], rate["engine_int8"] / rate["transformers"]
-    return {"tokens_per_s": rate, "tokens_made": made, "engine_over_transformers": ratio,
-            "int8_over_transformers": int8,
-            "int4_g32_over_transformers": rate["engine_int4_g32"] / rate["transformers"],
-            "read_GBps": bandwidth / 1e9, "weight_bytes_fp32": weight_bytes, "roof_tokens_per_s": roof,
-            "share_of_roof": {name: rate[name] / roof for name in ("engine", "transformers")}, "rounds": rounds,
+    pairs = {"fp32_over_transformers": ("engine", "transformers"),
+             "int8_over_transformers": ("engine_int8", "transformers"),
+             "int4_g32_over_llama_cpp": ("engine_int4_g32", "llama_cpp")}
+    ratios = {name: ratio_figures([b / a for a, b in zip(seconds[ours], seconds[peer])])  # each round's own ratio
+              for name, (ours, peer) in pairs.items()}
+    over = {name: figure["median"] for name, figure in ratios.items()}
+    agree = {name: next((i for i, (a, b) in enumerate(zip(m, made["engine"])) if a != b), k)
+             for name, m in made.items()}  # leading tokens equal to the engine's float32 ones
+    return {"tokens_per_s": rate, "ratios": over, "ratio_intervals": ratios, "bytes_per_token": reads, "read_GBps": bandwidth / 1e9,
+            "share_of_read_bandwidth": {name: rate[name] * reads[name] / bandwidth for name in runs},
+            "leading_tokens_equal_to_fp32": agree, "prompt_tokens": len(prompt), "tokens": k, "rounds": rounds,
             "threads": torch.get_num_threads(),
-            "bar": f"engine fp32 >= {DECODE_TARGET}x transformers, int8 >= {INT8_TARGET}x (batch 1)",
-            "passed": ratio >= DECODE_TARGET and int8 >= INT8_TARGET}
+            "bar": f"engine fp32 >= {DECODE_TARGET}x transformers, int8 >= {INT8_TARGET}x transformers, "
+                   f"int4 >= {INT4_TARGET}x llama.cpp (batch 1)",
+            "passed": over["fp32_over_transformers"] >= DECODE_TARGET and over["int8_over_transformers"] >= INT8_TARGET
+            and over["int4_g32_over_llama_cpp"] >= INT4_TARGET}
 
 
 def saturation(sizes: dict) -> dict:
@@ -175,13 +258,13 @@ def saturation(sizes: dict) -> dict:
     numba = backend.resolve("numba", "cpu")
     blocks = sum(-(-(p + o) // 16) for p, o in lengths) + 8
 
-    def engine_run(policy: str) -> float:
-        config = EngineConfig(policy=policy, max_batch=n, token_budget=512, num_blocks=blocks)
+    def engine_run(requests: int = n) -> float:
+        config = EngineConfig(policy="chunked", max_batch=n, token_budget=512, num_blocks=blocks)
         engine = Engine(model, config, numba)
-        params = [SamplingParams(max_tokens=o) for o in outputs]
+        params = [SamplingParams(max_tokens=o) for o in outputs[:requests]]
         started = time.perf_counter()
-        got = engine.generate(prompts, params)
-        assert [len(g) for g in got] == outputs
+        got = engine.generate(prompts[:requests], params)
+        assert [len(g) for g in got] == outputs[:requests]
         return time.perf_counter() - started
 
     def hf_run(batch: int) -> float:
@@ -197,51 +280,110 @@ def saturation(sizes: dict) -> dict:
                                    do_sample=False, pad_token_id=2)
         return time.perf_counter() - started
 
-    engine_run("chunked")  # warm
-    seconds = {"engine_continuous": engine_run("chunked"), "engine_static": engine_run("static")}
+    llm = llama_model(max_len + 16)
+
+    def llama_run() -> float:  # one stream: the requests one after another
+        started = time.perf_counter()
+        for prompt, wanted in zip(prompts, outputs):
+            assert len(llama_greedy(llm, prompt, wanted)) == wanted
+        return time.perf_counter() - started
+
+    engine_run(2)  # warm: compile the kernels
+    seconds = {"engine_continuous": engine_run()}
     seconds |= {f"transformers_static_{b}": hf_run(b) for b in sizes["hf_batches"]}
+    seconds["llama_cpp_one_stream"] = llama_run()
     rate = {name: useful / s for name, s in seconds.items()}
     best_hf = max(v for k, v in rate.items() if k.startswith("transformers"))
-    over_hf, over_static = rate["engine_continuous"] / best_hf, rate["engine_continuous"] / rate["engine_static"]
-    ceiling = traffic.static_ceiling(outputs, n)
+    over_hf, over_llama = rate["engine_continuous"] / best_hf, rate["engine_continuous"] / rate["llama_cpp_one_stream"]
     return {"requests": n, "output_tokens": useful, "mean_prompt": float(np.mean([p for p, _ in lengths])),
-            "mean_output": float(np.mean(outputs)), "tokens_per_s": rate, "continuous_over_transformers": over_hf,
-            "continuous_over_static": over_static, "static_ceiling": ceiling,
-            "bar": "continuous >= 2x transformers' best static batch, and >= 2.5x static (or the ceiling)",
-            "passed": over_hf >= 2 and over_static >= min(2.5, ceiling)}
+            "mean_output": float(np.mean(outputs)), "max_batch": n, "tokens_per_s": rate,
+            "continuous_over_transformers": over_hf, "continuous_over_llama_cpp": over_llama,
+            "static_ceiling": traffic.static_ceiling(outputs, n),
+            "bar": "the engine's continuous batching >= 2x transformers' best static batch and >= 3x llama.cpp's "
+                   "one stream",
+            "passed": over_hf >= 2 and over_llama >= 3}
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (Linux: /proc/self/statm)."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def resident_probe(kind: str) -> dict:
+    """In a fresh process (Linux, glibc): resident bytes after the imports, after loading the
+    model (float32, or chapter 08's int4 g32 with an int8 head, the float32 model then freed), and
+    after an engine with a pool of POOL_BLOCKS KV blocks has served one request (its pool touched
+    throughout, as a full one would be)."""
+    import ctypes
+    import gc
+
+    base = resident_bytes()
+    model, tokenizer = pretrained.load(NAME)
+    if kind == "int4_g32":
+        model = quantize_model(model, "rtn", 4, 32, head_bits=8)
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand back what the loading freed, which glibc may keep
+    loaded = resident_bytes()
+    engine = Engine(model, EngineConfig(num_blocks=POOL_BLOCKS), backend.resolve("numba", "cpu"))
+    engine.runner.pool.kv[...] = 0  # touch every page of the pool, as a full pool would
+    engine.generate([tokenizer.encode("The capital of France is")], SamplingParams(max_tokens=4))
+    return {"imports": base, "model": loaded - base, "engine_and_pool": resident_bytes() - loaded,
+            "pool_bytes": int(engine.runner.pool.kv.nbytes), "weights_held": weights_held(engine.runner.model)}
+
+
+def weights_held(model) -> int:
+    """Bytes of the distinct arrays the model holds (a view counted with its base): its float
+    weights and fused matrices, and quantized codes with their scales."""
+    floats = getattr(model.w, "floats", model.w)  # a quantized model's float weights (DequantizedWeights)
+    roots = {}
+    for array in [*floats.values(), *model.matrices.values()]:
+        while isinstance(array.base, np.ndarray):
+            array = array.base
+        roots[id(array)] = array.nbytes
+    return sum(roots.values()) + sum(m.nbytes for m in getattr(model, "quantized", {}).values())
+
+
+POOL_BLOCKS = 1024  # 16,384 tokens of KV
 
 
 def memory(_sizes: dict) -> dict:
-    from infra_lab.model import gguf_file
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
 
-    read = gguf_file.read(pretrained.path_of(NAME))
-    c = read.config
-    stored = {}
     import gguf
 
-    for tensor in gguf.GGUFReader(read.path).tensors:
+    config = pretrained.load(NAME)[0].config
+    stored = {}
+    for tensor in gguf.GGUFReader(pretrained.path_of(NAME)).tensors:
         stored[tensor.tensor_type.name] = stored.get(tensor.tensor_type.name, 0) + int(tensor.n_bytes)
-    return {"file_bytes_by_format": stored, "float32_weight_bytes": sum(w.nbytes for w in read.weights.values()),
-            "parameters": c.total_params, "kv_bytes_per_token_fp32": 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4}
+    resident = {}
+    for kind in ("fp32", "int4_g32"):  # each in a fresh process, so that one's arrays do not hide the other's
+        with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
+            resident[kind] = pool.submit(resident_probe, kind).result()
+    kv_token = 2 * config.n_layers * config.n_kv_heads * config.head_dim * 4
+    return {"file_bytes_by_format": stored, "parameters": config.total_params,
+            "arithmetic": {"fp32_weight_bytes": 4 * config.total_params,
+                           "kv_bytes_per_token_fp32": kv_token, "pool_bytes": POOL_BLOCKS * 16 * kv_token},
+            "resident": resident, "pool_blocks": POOL_BLOCKS}
 
 
 def headline(name: str, f: dict) -> str:
     if name == "exact":
         return f"{f['agree']} of {f['prompts']} prompts agree on all {f['tokens_each']} tokens"
     if name == "decode":
-        rate = f["tokens_per_s"]
-        return (f"engine {rate['engine']:.1f} tokens/s (int8 {rate['engine_int8']:.1f}, int4 "
-                f"{rate['engine_int4_g32']:.1f}), transformers {rate['transformers']:.1f} "
-                f"({f['engine_over_transformers']:.2f}x, int8 {f['int8_over_transformers']:.2f}x; {f['bar']}: "
-                f"{'met' if f['passed'] else 'missed'}); "
-                f"roof {f['roof_tokens_per_s']:.1f} at "
-                f"{f['read_GBps']:.1f} GB/s")
+        rates = ", ".join(f"{k} {v:.1f} ({f['share_of_read_bandwidth'][k]:.0%})" for k, v in f["tokens_per_s"].items())
+        ratios = ", ".join(f"{k} {v:.2f}" for k, v in f["ratios"].items())
+        return (f"tokens/s (share of {f['read_GBps']:.1f} GB/s): {rates}; {ratios} "
+                f"({'met' if f['passed'] else 'missed'})")
     if name == "saturation":
         rates = ", ".join(f"{k} {v:,.0f}" for k, v in f["tokens_per_s"].items())
         return (f"tokens/s: {rates}; continuous {f['continuous_over_transformers']:.2f}x transformers, "
-                f"{f['continuous_over_static']:.2f}x static (ceiling {f['static_ceiling']:.2f}) "
-                f"({'met' if f['passed'] else 'missed'})")
-    return f"{f['float32_weight_bytes'] / 1e6:.0f} MB float32, {f['kv_bytes_per_token_fp32']:,} KV bytes a token"
+                f"{f['continuous_over_llama_cpp']:.2f}x llama.cpp ({'met' if f['passed'] else 'missed'})")
+    resident = ", ".join(f"{k}: model {v['model'] / 1e6:.0f} MB, engine {v['engine_and_pool'] / 1e6:.0f} MB"
+                         for k, v in f["resident"].items())
+    return (f"{f['arithmetic']['fp32_weight_bytes'] / 1e6:.0f} MB float32 by arithmetic, "
+            f"{f['arithmetic']['kv_bytes_per_token_fp32']:,} KV bytes a token; resident {resident}")
 
 
 def main() -> None:

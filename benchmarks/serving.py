@@ -8,7 +8,8 @@ the numba backend on the CPU. Each section is one function and one bar:
   default 512 a long prompt waits at the head of the queue, and everything behind it, until
   enough running requests finish (reported beside, outside the bar);
 - weight_bound: the same comparison on a model whose decode step reads mostly weights
-  (model.wide: 245 MB, random weights), at the largest batch whose decode step this CPU's
+  (SmolLM2-135M-Instruct, model.pretrained: 538 MB of float32 weights a token, its prompts cut
+  from the same text in its own tokens), at the largest batch whose decode step this CPU's
   roofline puts under the ridge; continuous must reach >= 2.5x static, next to the ceiling at
   that batch;
 - chunked: long prompts arrive while a batch decodes (traffic.long_prompts_among_decodes, its
@@ -57,7 +58,7 @@ import numpy as np
 
 from infra_lab import backend, hardware, model, roofline
 from infra_lab.model import cost
-from infra_lab.model.wide import WIDE, wide_model
+from infra_lab.model import pretrained
 from infra_lab.model.generate import generate
 from infra_lab.serving import metrics, simulator, steplog, traffic
 from infra_lab.serving.config import EngineConfig
@@ -75,7 +76,7 @@ STATIC_BLOCKS = MAX_BATCH * MAX_LEN // BLOCK  # 2048: a static batch of 64 worst
 @dataclass(frozen=True)
 class Sizes:
     throughput_requests: int  # ShareGPT-like requests, all at t = 0
-    wide_requests: int  # weight_bound: ShareGPT-like requests of up to WIDE_MAX_LEN tokens, all at t = 0
+    weight_bound_requests: int  # weight_bound: ShareGPT-like requests of up to WEIGHT_BOUND_MAX_LEN tokens, at t = 0
     rounds: int  # rounds of the throughput, weight_bound and chunked sections
     n_decodes: int  # chunked: requests decoding while the long prompts arrive
     decode_output: int  # chunked: tokens each of them generates
@@ -90,12 +91,12 @@ class Sizes:
     cuda_tokens: int  # cuda: tokens each request generates
 
 
-FULL = Sizes(throughput_requests=512, wide_requests=64, rounds=3, n_decodes=16, decode_output=384, n_long=12, overhead_tokens=64,
-             overhead_runs=3, rate_requests=256, overload_s=60.0, overload_queue=128, simulator_s=25.0,
-             calibration_repeats=5, cuda_tokens=128)
-QUICK = Sizes(throughput_requests=80, wide_requests=16, rounds=1, n_decodes=8, decode_output=96, n_long=4, overhead_tokens=12,
-              overhead_runs=1, rate_requests=80, overload_s=10.0, overload_queue=32, simulator_s=4.0,
-              calibration_repeats=2, cuda_tokens=32)
+FULL = Sizes(throughput_requests=512, weight_bound_requests=64, rounds=3, n_decodes=16, decode_output=384, n_long=12,
+             overhead_tokens=64, overhead_runs=3, rate_requests=256, overload_s=60.0, overload_queue=128,
+             simulator_s=25.0, calibration_repeats=5, cuda_tokens=128)
+QUICK = Sizes(throughput_requests=80, weight_bound_requests=16, rounds=1, n_decodes=8, decode_output=96, n_long=4,
+              overhead_tokens=12, overhead_runs=1, rate_requests=80, overload_s=10.0, overload_queue=32,
+              simulator_s=4.0, calibration_repeats=2, cuda_tokens=32)
 QUICK_CALIBRATION = (  # (new tokens, context) per sequence, as simulator.CALIBRATION_STEPS, fewer and smaller
     [(1, 0)], [(1, 100)] * 8, [(1, 50)] * 32, [(64, 0)], [(256, 0)], [(64, 128)] * 2, [(1, 100)] * 16 + [(128, 0)],
 )
@@ -243,59 +244,71 @@ def roofline_ratio(bench: Bench, workload) -> dict:
 
 # ---- 1b. a model whose decode step reads its weights ---------------------------------------------
 
-WIDE_MAX_LEN = 256  # prompt + output of the wide model's requests: its prefills cost 60x the target's
+WEIGHT_BOUND_MODEL = "smollm2-135m"
+WEIGHT_BOUND_MAX_LEN = 256  # prompt + output: its prefills cost 27x the target's a token, so shorter requests
+
+
+def weight_bound_workload(n: int, seed: int, encode) -> list[traffic.TimedRequest]:
+    """`n` ShareGPT-like requests at t = 0 of up to WEIGHT_BOUND_MAX_LEN tokens, their prompts in
+    the pretrained model's own tokens (traffic.tokenized_prompts)."""
+    shaped = traffic.sharegpt_like(n, math.inf, seed, WEIGHT_BOUND_MAX_LEN)
+    prompts = traffic.tokenized_prompts([len(r.prompt) for r in shaped], encode, seed)
+    return [traffic.TimedRequest(r.arrival_s, p, r.max_tokens) for r, p in zip(shaped, prompts)]
 
 
 def weight_bound(bench: Bench, rounds: int) -> dict:
-    """Static against continuous batching on the wide model, all requests at t = 0, in turns."""
-    wide = wide_model(bench.seed)
+    """Static against continuous batching on the pretrained model, all requests at t = 0, in turns."""
+    pretrained.pull(WEIGHT_BOUND_MODEL, quiet=True)
+    served, tokenizer = pretrained.load(WEIGHT_BOUND_MODEL)
+    config = served.config
     cpu = hardware.measure("cpu", progress=False)
-    context = WIDE_MAX_LEN // 3  # about the workload's mean context, prompt and half the output
-    batch = roofline.weight_bound_batch(WIDE, cpu, "fp32", context, MAX_BATCH)  # its step reads mostly weights
-    critical = roofline.critical_batch(WIDE, cpu, "fp32", context)
-    blocks = batch * WIDE_MAX_LEN // BLOCK  # a batch of worst cases fits
+    context = WEIGHT_BOUND_MAX_LEN // 3  # about the workload's mean context, prompt and half the output
+    batch = roofline.weight_bound_batch(config, cpu, "fp32", context, MAX_BATCH)  # its step reads mostly weights
+    critical = roofline.critical_batch(config, cpu, "fp32", context)
+    blocks = batch * WEIGHT_BOUND_MAX_LEN // BLOCK  # a batch of worst cases fits
     configs = {"static": EngineConfig(policy="static", max_batch=batch, num_blocks=blocks),
                "continuous": EngineConfig(policy="continuous", max_batch=batch, num_blocks=blocks,
-                                          token_budget=batch + WIDE_MAX_LEN)}
-    workload = traffic.sharegpt_like(bench.sizes.wide_requests, math.inf, bench.seed, WIDE_MAX_LEN)
+                                          token_budget=batch + WEIGHT_BOUND_MAX_LEN)}
+    workload = weight_bound_workload(bench.sizes.weight_bound_requests, bench.seed, tokenizer.encode)
     outputs = [r.max_tokens for r in workload]
-    Engine(wide, configs["static"], bench.numba).generate([b"def f(x):\n"], SamplingParams(max_tokens=2))
+    Engine(served, configs["static"], bench.numba).generate([workload[0].prompt], SamplingParams(max_tokens=2))
     runs = {name: [] for name in configs}
     order = np.random.default_rng(bench.seed)
     for _ in range(rounds):
         for name in order.permutation(list(configs)):
-            engine = Engine(wide, configs[name], bench.numba)
+            engine = Engine(served, configs[name], bench.numba)
             summary = metrics.summarize(engine.serve(workload), engine.log, batch)
             runs[name].append(summary_figures(summary) | {
                 "decode_step_ms_by_batch": decode_step_ms_by_batch(engine.log, width=max(1, batch // 4))})
     rates = {name: [r["throughput_tok_s"] for r in done] for name, done in runs.items()}
     ratio = ratio_figures([c / s for c, s in zip(rates["continuous"], rates["static"])])
-    ideal = simulator.StepTimeModel.on(WIDE, cpu, "fp32")
+    ideal = simulator.StepTimeModel.on(config, cpu, "fp32")
 
     def ideal_rates(requests) -> dict[str, float]:  # the simulator at the roofline, no overheads
         rates = {}
-        for name, config in configs.items():
-            engine = simulator.simulated_engine(ideal, config)
+        for name, engine_config in configs.items():
+            engine = simulator.simulated_engine(ideal, engine_config)
             rates[name] = metrics.summarize(engine.serve(requests), engine.log, batch).throughput_tok_s
         return rates
 
     at_roof = ideal_rates(workload)
     longer = {}  # the same lengths' distribution over longer streams: the run's tail matters less
     for n in (4 * len(workload), 16 * len(workload)):
-        stream = traffic.sharegpt_like(n, math.inf, bench.seed, WIDE_MAX_LEN)
+        stream = traffic.sharegpt_like(n, math.inf, bench.seed, WEIGHT_BOUND_MAX_LEN)
         long_rates = ideal_rates(stream)
         longer[str(n)] = {"continuous_over_static": long_rates["continuous"] / long_rates["static"],
                           "static_ceiling": traffic.static_ceiling([r.max_tokens for r in stream], batch)}
-    weights = cost.step_cost(WIDE, 1, 1, 0, "fp32").bytes - cost.kv_bytes_per_token(WIDE, "fp32")
+    weights = cost.step_cost(config, 1, 1, 0, "fp32").bytes - cost.kv_bytes_per_token(config, "fp32")
     mean_context = float(np.mean([len(r.prompt) + r.max_tokens / 2 for r in workload]))
     return {
-        "bar": f"continuous >= 2.5x static's output tokens/s on the wide model (max_batch {batch}, all at t = 0)",
+        "bar": f"continuous >= 2.5x static's output tokens/s on {WEIGHT_BOUND_MODEL} (max_batch {batch}, all at t = 0)",
+        "model": WEIGHT_BOUND_MODEL,
         "passed": ratio["median"] >= 2.5, "requests": len(workload), "rounds": rounds, "max_batch": batch,
         "critical_batch": critical, "cpu_flops_fp32": cpu.flops("fp32"), "cpu_bandwidth": cpu.memory_bandwidth,
         "mean_prompt_tokens": float(np.mean([len(r.prompt) for r in workload])),
         "mean_output_tokens": float(np.mean(outputs)), "static_ceiling": traffic.static_ceiling(outputs, batch),
         "weight_bytes": weights, "mean_context_tokens": mean_context,
-        "kv_bytes_at_full_batch": batch * mean_context * cost.kv_bytes_per_token(WIDE, "fp32"),
+        "kv_bytes_at_full_batch": batch * mean_context * cost.kv_bytes_per_token(config, "fp32"),
         "configs": {name: asdict(config) for name, config in configs.items()},
         "tokens_per_s": {name: statistics.median(r) for name, r in rates.items()},
         "slot_utilization": {name: statistics.median(r["slot_utilization"] for r in done)
@@ -680,7 +693,8 @@ def headline(name: str, figures: dict) -> str:
                 f"{slots['continuous']:.0%} continuous")
     if name == "weight_bound":
         return (f"continuous {figures['over_static']['median']:.2f}x static at max_batch {figures['max_batch']} "
-                f"(ceiling {figures['static_ceiling']:.2f}x, roofline {figures['roofline_ideal']['continuous_over_static']:.2f}x)")
+                f"(ceiling {figures['static_ceiling']:.2f}x, "
+                f"roofline {figures['roofline_ideal']['continuous_over_static']:.2f}x)")
     if name == "chunked":
         p99 = figures["tpot_p99_s"]
         return (f"p99 TPOT {1e3 * p99['chunked']:.1f} vs {1e3 * p99['continuous']:.1f} ms "

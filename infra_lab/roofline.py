@@ -110,6 +110,10 @@ PRESETS: dict[str, ModelConfig] = {config.name: config for config in (
                 source="config.json of mistralai/Mixtral-8x7B-v0.1 on Hugging Face; Jiang et al., "
                        "Mixtral of Experts, 2024 (8 experts, 2 per token)",
                 n_experts=8, experts_per_token=2),
+    ModelConfig("smollm2-135m", n_layers=30, d_model=576, n_heads=9, n_kv_heads=3, d_ff=1536,
+                vocab=49152, context=8192, rope_theta=100000.0, tied_embeddings=True,
+                source="config.json of HuggingFaceTB/SmolLM2-135M-Instruct on Hugging Face (the "
+                       "pretrained model the book's engine serves, infra_lab.model.pretrained)"),
     replace(CONFIGS["target"], name="infra-lab-tiny",
             source="this book's small GPT, infra_lab.model's target (chapter 02): bytes, "
                    f"{CONFIGS['target'].context}-token context"),

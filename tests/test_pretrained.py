@@ -165,6 +165,33 @@ def test_the_engine_serves_it_with_prefix_caches_preemption_and_speculation(ours
     assert variants["speculative"].runner.tally.kept.sum() > 0
 
 
+def test_the_model_holds_each_weight_once(ours):
+    """The fused matrices and the named weights share memory, and the tied LM head is the
+    embedding table transposed: the arrays held add up to the parameters' own float32 bytes."""
+    model, _ = ours
+
+    def root(array):
+        while isinstance(array.base, np.ndarray):
+            array = array.base
+        return array
+
+    held = {id(root(a)): root(a).nbytes for a in [*model.w.values(), *model.matrices.values()]}
+    norms = sum(v.size for n, v in model.w.items() if "norm" in n)
+    assert sum(held.values()) == 4 * (model.config.total_params + norms)
+    assert np.shares_memory(model.w["lm_head"], model.w["embed"])
+
+
+def test_the_roofline_preset_is_the_files_config(ours):
+    from dataclasses import replace
+
+    from infra_lab import roofline
+
+    config = ours[0].config
+    preset = roofline.preset(NAME)
+    assert preset.norm_eps == pytest.approx(config.norm_eps, rel=1e-6)  # the file keeps it in float32
+    assert replace(preset, source="", norm_eps=0) == replace(config, source="", norm_eps=0)
+
+
 @pytest.mark.parametrize("bits,group", [(8, None), (4, 32)], ids=["int8", "int4-g32"])
 def test_chapter_08s_int8_and_int4_weights_still_answer(ours, bits, group):
     """Chapter 08's round-to-nearest weights (int8 per channel, int4 in groups of 32) served by the

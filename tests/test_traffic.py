@@ -84,6 +84,23 @@ def test_prompts_are_windows_of_validation_files_at_line_starts():
         assert _at_a_line_start(bytes(request.prompt))
 
 
+def test_tokenized_prompts_are_windows_of_a_file_in_another_tokenizers_ids():
+    def words(text: str) -> list[int]:  # a stand-in tokenizer: one id per word, its length
+        return [len(w) for w in text.split()]
+
+    files = [words(data.decode("utf-8", "replace")) for data in SOURCES]
+    lengths = [1, 7, 40, 300]
+    prompts = traffic.tokenized_prompts(lengths, words, seed=3)
+    assert [len(p) for p in prompts] == lengths
+    for prompt in prompts:
+        assert any(ids[i:i + len(prompt)] == prompt for ids in files for i in range(len(ids) - len(prompt) + 1))
+    assert traffic.tokenized_prompts(lengths, words, seed=3) == prompts
+    longest = max(len(ids) for ids in files)
+    for bad in (0, longest + 1, 2.5):
+        with pytest.raises(ValueError, match=f"in \\[1, {longest}\\].*got {bad!r}"):
+            traffic.tokenized_prompts([bad], words)
+
+
 def test_sharegpt_like_arrives_in_order_within_the_context():
     requests = traffic.sharegpt_like(200, 8.0, seed=0)
     assert len(requests) == 200 and _within(requests)

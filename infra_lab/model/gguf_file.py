@@ -101,7 +101,7 @@ def read(path: str | Path, name: str | None = None) -> GGUFModel:
         ours = _our_name(tensor.name, config)
         weights[ours], formats[ours] = _our_layout(ours, array, config), kind
     if config.tied_embeddings:
-        weights["lm_head"], formats["lm_head"] = np.ascontiguousarray(weights["embed"].T), formats["embed"]
+        weights["lm_head"], formats["lm_head"] = weights["embed"].T, formats["embed"]  # a view: one table
     expected = weight_shapes(config)
     missing = sorted(set(expected) - set(weights))
     wrong = [f"{n} is {weights[n].shape}, expected {s}" for n, s in expected.items()

@@ -5,21 +5,23 @@ The four layers' matrices are quantized, the fused ones as one matrix each (qkv,
 quantization of a fused matrix is that of its parts, and AWQ and SmoothQuant then give q, k and v one
 shared input scale, as AWQ does. The embedding and the LM head stay in float, as GPTQ and AWQ leave
 them, and count at fp16 in the size; `head_bits` rounds the LM head too (to nearest, per channel),
-as llama.cpp's files keep it (SmolLM2's Q4_1 file: its tied head in 8 bits). Methods: round-to-nearest ("rtn"); GPTQ (Frantar et al., 2023)
-and AWQ (Lin et al., 2024), fitted to the activations that meet each matrix on windows of the
-training split; SmoothQuant (Xiao et al., 2023), W8A8: int8 weights, and activations quantized per
-token at inference.
+as llama.cpp's files keep it (SmolLM2's Q4_1 file: its tied head in 8 bits). Methods:
+round-to-nearest ("rtn"); GPTQ (Frantar et al., 2023) and AWQ (Lin et al., 2024), fitted to the
+activations that meet each matrix on windows of the training split; SmoothQuant (Xiao et al.,
+2023), W8A8: int8 weights, and activations quantized per token at inference. A quantized model
+holds its codes, not the float matrices they stand for (DequantizedWeights).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
+from collections.abc import Mapping
 
 import numpy as np
 
 from infra_lab import backend as backends
-from infra_lab.model.config import ModelConfig
+from infra_lab.model.config import ModelConfig, weight_shapes
 from infra_lab.model.transformer import LAYER_MATRICES, Transformer, matrices_of, parts_of, split_fused
 from infra_lab.quant import matmul as qmatmul
 from infra_lab.quant.matmul import QuantizedMatrix
@@ -207,8 +209,8 @@ class QuantizedTransformer(Transformer):
     the same `step`, `forward`, `decode_batch` and caches. On numpy and numba `linear` multiplies
     with quant.matmul (SmoothQuant: with the activations quantized per token too); on torch the
     model is a TorchTransformer of the dequantized weights, fake-quantizing SmoothQuant's
-    activations the same way. `self.w` holds the effective (dequantized) weights: the model this
-    one computes."""
+    activations the same way. `self.w` gives the effective (dequantized) weights, the model this
+    one computes, dequantizing the quantized ones when asked (DequantizedWeights)."""
 
     def __init__(self, config: ModelConfig, weights: dict, quantized: dict[str, QuantizedMatrix], method: str,
                  figures: dict | None = None):
@@ -233,10 +235,13 @@ class QuantizedTransformer(Transformer):
         for key, matrix in quantized.items():
             effective |= split_fused(config, key, matrix.dequantize())
         super().__init__(config, effective, figures)
+        del effective
         self.method = method
         self.quantized: dict[str, QuantizedMatrix] = dict(quantized)
         for key in quantized:  # linear reads these quantized, never as floats
             del self.matrices[key]
+        parts = {name for key in quantized for name in parts_of(key)}
+        self.w = DequantizedWeights(config, {n: v for n, v in self.w.items() if n not in parts}, self.quantized)
         # W8A8: x * input_scale is quantized per token, then meets the int8 codes alone
         self._input_scales = {key: np.ones(m.n_in, np.float32) if m.input_scale is None else m.input_scale
                               for key, m in quantized.items() if method == "smoothquant" and key != HEAD}
@@ -268,6 +273,10 @@ class QuantizedTransformer(Transformer):
             return super().to_torch()
         scales = {name: scale for key, scale in self._input_scales.items() for name in parts_of(key)}
         return _activation_quantized_class()(self.config, self.w, scales)
+
+    @property
+    def n_params(self) -> int:
+        return sum(v.size for v in self.w.floats.values()) + sum(m.n_in * m.n_out for m in self.quantized.values())
 
     @property
     def bits(self) -> int:
@@ -314,6 +323,31 @@ class QuantizedTransformer(Transformer):
     @property
     def fp16_bytes(self) -> int:
         return 2 * self.n_params
+
+
+class DequantizedWeights(Mapping):
+    """A quantized model's `w`: name -> array, every weight of the model it computes. The weights
+    left in float are held as they are; a quantized matrix's parts are dequantized from its codes
+    when asked for (to_torch, a test), so that the model holds only its codes in memory."""
+
+    def __init__(self, config: ModelConfig, floats: dict[str, np.ndarray], quantized: dict[str, QuantizedMatrix]):
+        self.config, self.floats, self.quantized = config, floats, quantized
+        self._owner = {name: key for key in quantized for name in parts_of(key)}  # part -> its matrix's key
+        self._names = [name for name in weight_shapes(config) if name in floats or name in self._owner]
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name in self.floats:
+            return self.floats[name]
+        if name not in self._owner:
+            raise KeyError(name)
+        key = self._owner[name]
+        return split_fused(self.config, key, self.quantized[key].dequantize())[name]
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 @functools.cache

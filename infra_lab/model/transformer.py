@@ -131,14 +131,21 @@ class Transformer:
             raise ValueError(f"a weight version is a whole number >= 0; got {version!r}")
         if check:
             check_state(self.config, state)
-        w = {name: np.ascontiguousarray(value, np.float32) for name, value in state.items()}
+        embed = np.ascontiguousarray(state["embed"], np.float32)
+        tied = self.config.tied_embeddings and np.array_equal(state["lm_head"], embed.T)
+        w = {name: embed if name == "embed" else embed.T if tied and name == "lm_head"  # tied: one table
+             else np.ascontiguousarray(value, np.float32) for name, value in state.items()}
+        matrices = matrices_of(self.config, w)
+        for key, matrix in matrices.items():  # joined weights become views of their fused matrix: one copy
+            if len(parts_of(key)) > 1:
+                w |= split_fused(self.config, key, matrix)
         torch_models = {}
         if self._torch_models:
             from infra_lab.model.torch_model import TorchTransformer
 
             torch_models = {device: TorchTransformer(self.config, w).to(device).eval()
                             for device in self._torch_models}
-        return PreparedWeights(w, matrices_of(self.config, w), torch_models, int(version))
+        return PreparedWeights(w, matrices, torch_models, int(version))
 
     def swap_weights(self, prepared: PreparedWeights) -> None:
         """Serve `prepared` from the next step on: every face at once."""

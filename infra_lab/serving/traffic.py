@@ -97,6 +97,25 @@ def stdlib_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     return prompts
 
 
+def tokenized_prompts(lengths: list[int], encode, seed: int = 0) -> list[list[int]]:
+    """One prompt per length in another tokenizer's ids (`encode`: str -> list of ids, a pretrained
+    model's): that many tokens of one validation file's text, from a token chosen uniformly among
+    those that leave room, the file chosen uniformly among those long enough."""
+    files = [encode(data.decode("utf-8", "replace")) for data, _ in _validation_sources()]
+    longest = max(len(ids) for ids in files)
+    for length in lengths:
+        if not isinstance(length, (int, np.integer)) or not 1 <= length <= longest:
+            raise ValueError(f"prompt lengths must be integers in [1, {longest}] (the longest validation file, "
+                             f"in these tokens); got {length!r}")
+    rng = np.random.default_rng(seed)
+    prompts = []
+    for length in lengths:
+        ids = files[rng.choice([i for i, f in enumerate(files) if len(f) >= length])]
+        start = int(rng.integers(len(ids) - length + 1))
+        prompts.append(list(ids[start:start + length]))
+    return prompts
+
+
 def sharegpt_lengths(n: int, seed: int = 0, max_len: int = MAX_LEN, scale: float | None = None,
                      sigma: float = 1.0) -> list[tuple[int, int]]:
     """(prompt, output) token counts: log-normal with ShareGPT's means times `scale`, clipped so
