@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from infra_lab import backend as backends
-from infra_lab.kernels import extend_attention, paged_attention
+from infra_lab.kernels import extend_attention, paged_attention, skinny_matmul
 from infra_lab.kv.contiguous import ContiguousKVCache
 from infra_lab.kv.metadata import StepMetadata
 from infra_lab.kv.paged import PagedKVCache
@@ -67,8 +67,12 @@ def matrices_of(config: ModelConfig, weights: dict) -> dict[str, np.ndarray]:
     last two for dense models); then "lm_head" (d, vocab)."""
     matrices = {}
     for key in [f"layers.{i}.{m}" for i in range(config.n_layers) for m in layer_matrices(config)] + ["lm_head"]:
-        parts = [weights[name] for name in parts_of(key)]
-        matrices[key] = np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+        # kept as the transpose of a row-major (n_out, n_in) array, each output's weights one row, which
+        # the small-batch kernel reads (kernels.skinny_matmul); no copy where a weight is so already
+        transposed = [np.asarray(weights[name]).T for name in parts_of(key)]  # (n_out of each, n_in)
+        rows = np.empty((sum(t.shape[0] for t in transposed), transposed[0].shape[1]), np.float32)
+        matrices[key] = np.concatenate(transposed, axis=0, out=rows).T if len(transposed) > 1 else \
+            np.ascontiguousarray(transposed[0], np.float32).T
     return matrices
 
 
@@ -136,9 +140,8 @@ class Transformer:
         w = {name: embed if name == "embed" else embed.T if tied and name == "lm_head"  # tied: one table
              else np.ascontiguousarray(value, np.float32) for name, value in state.items()}
         matrices = matrices_of(self.config, w)
-        for key, matrix in matrices.items():  # joined weights become views of their fused matrix: one copy
-            if len(parts_of(key)) > 1:
-                w |= split_fused(self.config, key, matrix)
+        for key, matrix in matrices.items():  # the weights become views of their matrix: one copy in memory
+            w |= split_fused(self.config, key, matrix)
         torch_models = {}
         if self._torch_models:
             from infra_lab.model.torch_model import TorchTransformer
@@ -162,8 +165,14 @@ class Transformer:
 
     def linear(self, x: np.ndarray, key: str, backend: backends.Backend) -> np.ndarray:
         """x (T, n_in) @ the matrix `key` (matrices_of) -> (T, n_out), on numpy or numba: the one
-        place the model multiplies by a weight matrix."""
-        return x @ self.matrices[key]
+        place the model multiplies by a weight matrix. On numba, a few rows (a decode step of a few
+        requests) times a matrix too large for the caches go to kernels.skinny_matmul, which reads
+        the matrix once; the rest go to BLAS."""
+        matrix = self.matrices[key]
+        if backend.name == "numba" and x.shape[0] <= skinny_matmul.MOST_ROWS and \
+                matrix.nbytes >= skinny_matmul.SMALLEST_BYTES:
+            return skinny_matmul.matmul_numba(x, matrix)
+        return x @ matrix
 
     # ---- caches ----------------------------------------------------------------------------
 
