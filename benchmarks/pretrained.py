@@ -33,6 +33,7 @@ pulled first (`infra-lab models pull smollm2-135m`).
 """
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
@@ -138,49 +139,36 @@ def llama_cpp_module():
     return llama_cpp
 
 
-class LlamaProcess:
-    """llama.cpp (the same GGUF file, as many threads as torch uses) in a process of its own, as its
-    users run it. In this one it would share the OpenMP runtime that numba's kernels use, told by
-    infra_lab to let its threads sleep between kernels (OMP_WAIT_POLICY=PASSIVE), and llama.cpp, which
-    waits at an OpenMP barrier after every operation, decoded 41 tokens/s so on a 2-core EPYC,
-    against 108 with no other OpenMP user in its process."""
+class Peer:
+    """transformers or llama.cpp in a process of its own (benchmarks/peer.py), as its users run it:
+    the environment without the OpenMP setting infra_lab makes for numba's kernels."""
 
-    def __init__(self, context: int):
-        from multiprocessing import get_context
+    def __init__(self, kind: str, context: int):
+        if kind == "llama":
+            llama_cpp_module()  # built here first, if it must be
+        environment = dict(os.environ)
+        if infra_lab._OPENMP_POLICY_AT_IMPORT is None:  # infra_lab's, not the user's
+            environment.pop("OMP_WAIT_POLICY", None)
+        for name in ("NUMBA_THREADING_LAYER", "NUMBA_CPU_FEATURES"):
+            environment.pop(name, None)
+        self.process = subprocess.Popen(
+            [sys.executable, str(Path(__file__).parent / "peer.py"), kind, str(pretrained.path_of(NAME)),
+             str(torch.get_num_threads()), str(context)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=environment)
+        ready = self.process.stdout.readline()
+        if not ready:
+            raise RuntimeError(f"the {kind} peer did not start (its error is above)")
 
-        llama_cpp_module()  # built here first, if it must be
-        spawn = get_context("spawn")
-        self.connection, theirs = spawn.Pipe()
-        self.process = spawn.Process(target=_llama_worker, daemon=True, args=(
-            theirs, str(pretrained.path_of(NAME)), context, torch.get_num_threads()))
-        self.process.start()
-        self.connection.recv()  # loaded
-
-    def greedy(self, prompt: list[int], k: int) -> list[int]:
-        """k greedy tokens after `prompt`, llama.cpp's cache emptied first (no prefix reuse)."""
-        self.connection.send((prompt, k))
-        return self.connection.recv()
+    def serve(self, prompts: list[list[int]], tokens: list[int]) -> tuple[list[list[int]], float]:
+        """The peer's tokens for `prompts`, exactly tokens[i] each, and the seconds it took (timed there)."""
+        self.process.stdin.write(json.dumps({"prompts": prompts, "tokens": tokens}) + "\n")
+        self.process.stdin.flush()
+        answer = json.loads(self.process.stdout.readline())
+        return answer["made"], answer["seconds"]
 
     def close(self) -> None:
-        self.connection.send(None)
-        self.process.join(30)
-
-
-def _llama_worker(connection, path: str, context: int, threads: int) -> None:
-    os.environ.pop("OMP_WAIT_POLICY", None)  # OpenMP's defaults, before llama.cpp starts its runtime
-    import llama_cpp
-
-    llm = llama_cpp.Llama(model_path=path, n_ctx=context, n_batch=512, n_threads=threads, verbose=False)
-    connection.send("loaded")
-    while (asked := connection.recv()) is not None:
-        prompt, k = asked
-        llm.reset()
-        made = []
-        for token in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, reset=False):
-            made.append(int(token))
-            if len(made) == k:
-                break
-        connection.send(made)
+        self.process.stdin.close()
+        self.process.wait(60)
 
 
 def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
@@ -227,28 +215,35 @@ def decode(sizes: dict, rounds: int) -> dict:
     engines = {"engine": Engine(model, config, numba)} | {
         f"engine_{name}": Engine(quantize_model(model, "rtn", bits, group, head_bits=8), config, numba)
         for name, bits, group in QUANTIZED}
-    llm = LlamaProcess(2 * (len(prompt) + k))
     exactly_k = SamplingParams(max_tokens=k)  # no end-of-text stop: every variant makes k tokens
-
-    def theirs(stop: bool = False):
-        with torch.no_grad():
-            out = reference.generate(torch.tensor([prompt]), max_new_tokens=k, do_sample=False,
-                                     **({} if stop else {"min_new_tokens": k}))
-        return out[0, len(prompt):].tolist()
-
+    with torch.no_grad():  # the exactness check, in this process
+        said = reference.generate(torch.tensor([prompt]), max_new_tokens=k, do_sample=False)[0, len(prompt):]
+    said = said.tolist()
     greedy = engines["engine"].generate([prompt], SamplingParams(max_tokens=k, stop_tokens=stop_tokens(reference)))
-    assert greedy[0] == theirs(stop=True), "the engine and transformers disagree on the decode prompt"
-    runs = {name: (lambda e=e: e.generate([prompt], exactly_k)[0]) for name, e in engines.items()}
-    runs |= {"transformers": theirs, "llama_cpp": lambda: llm.greedy(prompt, k)}
-    made = {name: run() for name, run in runs.items()}  # warm: the quantized kernels compile on their first call
+    assert greedy[0] == said, "the engine and transformers disagree on the decode prompt"
+    del reference
+    peers = {name: Peer(kind, 2 * (len(prompt) + k)) for name, kind in (("transformers", "transformers"),
+                                                                          ("llama_cpp", "llama"))}
+
+    def timed_engine(engine: Engine) -> tuple[list[int], float]:
+        started = time.perf_counter()
+        made = engine.generate([prompt], exactly_k)[0]
+        return made, time.perf_counter() - started
+
+    runs = {name: (lambda e=e: timed_engine(e)) for name, e in engines.items()}
+    def timed_peer(peer: Peer) -> tuple[list[int], float]:
+        made, seconds = peer.serve([prompt], [k])
+        return made[0], seconds
+
+    runs |= {name: (lambda p=p: timed_peer(p)) for name, p in peers.items()}
+    made = {name: run()[0] for name, run in runs.items()}  # warm: the quantized kernels compile on their first call
     assert all(len(m) == k for m in made.values()), {name: len(m) for name, m in made.items()}
     seconds = {name: [] for name in runs}
     for r in range(rounds):  # the variants take turns, in the opposite order every other round
         for name, run in sorted(runs.items(), reverse=r % 2 == 1):
-            started = time.perf_counter()
-            run()
-            seconds[name].append(time.perf_counter() - started)
-    llm.close()
+            seconds[name].append(run()[1])  # a peer times itself, in its process
+    for peer in peers.values():
+        peer.close()
     rate = {name: k / statistics.median(s) for name, s in seconds.items()}
     reads = {name: bytes_per_token(e.runner.model) for name, e in engines.items()}
     reads |= {"transformers": reads["engine"], "llama_cpp": file_tensor_bytes()}
@@ -276,7 +271,6 @@ def saturation(sizes: dict) -> dict:
     from infra_lab.serving import traffic
 
     model, tokenizer = pretrained.load(NAME)
-    reference = hf_model(pretrained.path_of(NAME))
     n, max_len = sizes["requests"], sizes["max_len"]
     lengths = traffic.sharegpt_lengths(n, seed=0, max_len=max_len)
     _, validation = corpus.load()
@@ -297,32 +291,21 @@ def saturation(sizes: dict) -> dict:
         assert [len(g) for g in got] == outputs[:requests]
         return time.perf_counter() - started
 
-    def hf_run(batch: int) -> float:
-        started = time.perf_counter()
+    def peer_run(peer: Peer, batch: int) -> float:  # transformers: static batches; llama.cpp: one stream
+        peer.serve(prompts[:1], [2])  # warm
+        seconds = 0.0
         for first in range(0, n, batch):
-            chunk, wanted = prompts[first:first + batch], outputs[first:first + batch]
-            width = max(len(p) for p in chunk)
-            ids = torch.tensor([[2] * (width - len(p)) + p for p in chunk])  # left-padded with the pad token
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
-            longest = max(wanted)
-            with torch.no_grad():  # every member runs until the longest is done: a static batch
-                reference.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
-                                   do_sample=False, pad_token_id=2)
-        return time.perf_counter() - started
-
-    llm = LlamaProcess(max_len + 16)
-
-    def llama_run() -> float:  # one stream: the requests one after another
-        started = time.perf_counter()
-        for prompt, wanted in zip(prompts, outputs):
-            assert len(llm.greedy(prompt, wanted)) == wanted
-        return time.perf_counter() - started
+            made, took = peer.serve(prompts[first:first + batch], outputs[first:first + batch])
+            assert [len(m) for m in made] == outputs[first:first + batch]
+            seconds += took
+        peer.close()
+        return seconds
 
     engine_run(2)  # warm: compile the kernels
     seconds = {"engine_continuous": engine_run()}
-    seconds |= {f"transformers_static_{b}": hf_run(b) for b in sizes["hf_batches"]}
-    seconds["llama_cpp_one_stream"] = llama_run()
-    llm.close()
+    seconds |= {f"transformers_static_{b}": peer_run(Peer("transformers", max_len + 16), b)
+                for b in sizes["hf_batches"]}
+    seconds["llama_cpp_one_stream"] = peer_run(Peer("llama", max_len + 16), n)
     rate = {name: useful / s for name, s in seconds.items()}
     best_hf = max(v for k, v in rate.items() if k.startswith("transformers"))
     over_hf, over_llama = rate["engine_continuous"] / best_hf, rate["engine_continuous"] / rate["llama_cpp_one_stream"]
