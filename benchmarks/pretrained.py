@@ -9,7 +9,8 @@ Sections:
   variant makes all 64), tokens/s of the engine (numba face: float32, and chapter 08's int8 per
   channel and int4 in groups of 32, round to nearest, each with an int8 LM head as the file's Q8_0
   table), of transformers' generate (float32) and of llama.cpp (llama-cpp-python, the same file,
-  built from source here on first use: llama_cpp_module), the median of 7 rounds in turns, each
+  built from source here on first use: llama_cpp_module), both in processes of their own as their
+  users run them (benchmarks/peer.py, which times them there), the median of 7 rounds in turns, each
   ratio the median of the rounds' own ratios with its 95% interval; each rate as a share of this
   machine's read bandwidth (numpy, the same run) at the weight bytes a token reads.
   Targets: the engine's float32 at least 0.9x transformers, its int8 at least 1.8x, its int4 at
@@ -119,22 +120,31 @@ def stop_tokens(reference) -> tuple[int, ...]:
 
 
 LLAMA_CPP = "llama-cpp-python==0.3.36"
-# llama.cpp's build for this CPU family without -DGGML_NATIVE: with its default (native) build, the
-# library crashed with a segmentation fault at its first evaluation on a 2-core AMD EPYC that
-# reports AMX; these flags turn on every vector extension that CPU has short of AMX.
-LLAMA_CPP_CMAKE = ("-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON "
-                   "-DGGML_AVX512_VNNI=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_BF16=ON")
+# llama.cpp's CMake options for the vector extensions this CPU has (LLVM reads them), named one by
+# one rather than through its default -DGGML_NATIVE=ON: built natively it crashed with a
+# segmentation fault at its first evaluation on a 2-core VM whose CPU reports AMX.
+LLAMA_CPP_FEATURES = {"avx2": "AVX2", "fma": "FMA", "f16c": "F16C", "avx512f": "AVX512",
+                      "avx512vnni": "AVX512_VNNI", "avx512vbmi": "AVX512_VBMI", "avx512bf16": "AVX512_BF16"}
+
+
+def llama_cpp_cmake_args() -> str:
+    import llvmlite.binding as llvm
+
+    features = llvm.get_host_cpu_features()
+    return " ".join(["-DGGML_NATIVE=OFF"] + [f"-DGGML_{flag}=ON" for feature, flag in LLAMA_CPP_FEATURES.items()
+                                              if features.get(feature)])
 
 
 def llama_cpp_module():
     """llama-cpp-python, built from source into this environment on first use (about 4 minutes
-    on 2 cores, with LLAMA_CPP_CMAKE), so that the benchmark needs nothing installed by hand."""
+    on 2 cores, with llama_cpp_cmake_args), so that the benchmark needs nothing installed by hand."""
     try:
         import llama_cpp
     except ImportError:
-        print(f"building {LLAMA_CPP} from source (CMAKE_ARGS={LLAMA_CPP_CMAKE!r}) ...", flush=True)
+        cmake = llama_cpp_cmake_args()
+        print(f"building {LLAMA_CPP} from source (CMAKE_ARGS={cmake!r}) ...", flush=True)
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-binary", "llama-cpp-python", LLAMA_CPP],
-                       env=os.environ | {"CMAKE_ARGS": LLAMA_CPP_CMAKE}, check=True)
+                       env=os.environ | {"CMAKE_ARGS": cmake}, check=True)
         import llama_cpp
     return llama_cpp
 

@@ -165,11 +165,11 @@ class Transformer:
 
     def linear(self, x: np.ndarray, key: str, backend: backends.Backend) -> np.ndarray:
         """x (T, n_in) @ the matrix `key` (matrices_of) -> (T, n_out), on numpy or numba: the one
-        place the model multiplies by a weight matrix. On numba, a few rows (a decode step of a few
-        requests) times a matrix too large for the caches go to kernels.skinny_matmul, which reads
-        the matrix once; the rest go to BLAS."""
+        place the model multiplies by a weight matrix. On numba, from 2 to a few rows (a decode step
+        of a few requests) times a matrix too large for the caches go to kernels.skinny_matmul,
+        which reads the matrix once; the rest go to BLAS, whose GEMV reads it once for one row."""
         matrix = self.matrices[key]
-        if backend.name == "numba" and x.shape[0] <= skinny_matmul.MOST_ROWS and \
+        if backend.name == "numba" and 2 <= x.shape[0] <= skinny_matmul.MOST_ROWS and \
                 matrix.nbytes >= skinny_matmul.SMALLEST_BYTES:
             return skinny_matmul.matmul_numba(x, matrix)
         return x @ matrix
