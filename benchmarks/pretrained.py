@@ -10,7 +10,7 @@ Sections:
   channel and int4 in groups of 32, round to nearest, each with an int8 LM head as the file's Q8_0
   table), of transformers' generate (float32) and of llama.cpp (llama-cpp-python, the same file,
   built from source here on first use: llama_cpp_module), both in processes of their own as their
-  users run them (benchmarks/peer.py, which times them there), the median of 7 rounds in turns, each
+  users run them (benchmarks/peer.py, which times them there), the median of 11 rounds in turns, each
   ratio the median of the rounds' own ratios with its 95% interval; each rate as a share of this
   machine's read bandwidth (numpy, the same run) at the weight bytes a token reads.
   Targets: the engine's float32 at least 0.9x transformers, its int8 at least 1.8x, its int4 at
@@ -59,7 +59,7 @@ from engine_core import median_interval, run_sections, section_parser  # noqa: E
 RESULTS = Path(__file__).parent / "results" / "pretrained.json"
 SECTIONS = ("exact", "decode", "saturation", "memory")
 NAME = "smollm2-135m"
-FULL = {"prompts": 20, "exact_tokens": 64, "decode_prompt": 32, "decode_tokens": 64, "rounds": 7, "requests": 64,
+FULL = {"prompts": 20, "exact_tokens": 64, "decode_prompt": 32, "decode_tokens": 64, "rounds": 11, "requests": 64,
         "hf_batches": (16,), "max_len": 512}
 QUICK = {"prompts": 3, "exact_tokens": 8, "decode_prompt": 16, "decode_tokens": 8, "rounds": 2, "requests": 8,
          "hf_batches": (4, 8), "max_len": 96}
@@ -218,7 +218,8 @@ QUANTIZED = (("int8", 8, None), ("int4_g32", 4, 32))  # (name, bits, group): rou
 def decode(sizes: dict, rounds: int) -> dict:
     model, tokenizer = pretrained.load(NAME)
     reference = hf_model(pretrained.path_of(NAME))
-    prompt = prompts_of(tokenizer, 1)[0][:sizes["decode_prompt"]]
+    prompt = prompts_of(tokenizer, 2)[0][:sizes["decode_prompt"]]  # the opening of a held-out module
+    assert len(prompt) == sizes["decode_prompt"], len(prompt)
     k = sizes["decode_tokens"]
     numba = backend.resolve("numba", "cpu")
     config = EngineConfig(policy="chunked", num_blocks=16)
