@@ -241,11 +241,11 @@ def decode(sizes: dict, rounds: int) -> dict:
         made = engine.generate([prompt], exactly_k)[0]
         return made, time.perf_counter() - started
 
-    runs = {name: (lambda e=e: timed_engine(e)) for name, e in engines.items()}
     def timed_peer(peer: Peer) -> tuple[list[int], float]:
         made, seconds = peer.serve([prompt], [k])
         return made[0], seconds
 
+    runs = {name: (lambda e=e: timed_engine(e)) for name, e in engines.items()}
     runs |= {name: (lambda p=p: timed_peer(p)) for name, p in peers.items()}
     made = {name: run()[0] for name, run in runs.items()}  # warm: the quantized kernels compile on their first call
     assert all(len(m) == k for m in made.values()), {name: len(m) for name, m in made.items()}
