@@ -245,7 +245,7 @@ def roofline_ratio(bench: Bench, workload) -> dict:
 # ---- 1b. a model whose decode step reads its weights ---------------------------------------------
 
 WEIGHT_BOUND_MODEL = "smollm2-135m"
-WEIGHT_BOUND_MAX_LEN = 256  # prompt + output: its prefills cost 27x the target's a token, so shorter requests
+WEIGHT_BOUND_MAX_LEN = 256  # prompt + output: a token of its prefills costs 130x the target's, so shorter requests
 
 
 def weight_bound_workload(n: int, seed: int, encode) -> list[traffic.TimedRequest]:
