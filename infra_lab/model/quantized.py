@@ -22,7 +22,7 @@ import numpy as np
 
 from infra_lab import backend as backends
 from infra_lab.model.config import ModelConfig, weight_shapes
-from infra_lab.model.transformer import LAYER_MATRICES, Transformer, matrices_of, parts_of, split_fused
+from infra_lab.model.transformer import LAYER_MATRICES, Transformer, parts_of, split_fused
 from infra_lab.quant import matmul as qmatmul
 from infra_lab.quant.matmul import QuantizedMatrix
 
@@ -217,9 +217,11 @@ class QuantizedTransformer(Transformer):
         if not isinstance(method, str) or not method:
             raise ValueError(f"method must name the method (one of {', '.join(map(repr, METHODS))}, or one's "
                              f"own); got {method!r}")
-        floats = matrices_of(config, weights)
+        shapes = weight_shapes(config)
         for key, matrix in quantized.items():
-            if key not in [*quantized_keys(config), HEAD] or (matrix.n_in, matrix.n_out) != floats[key].shape:
+            parts = parts_of(key)  # the matrix's shape from its parts', with no copy of the floats
+            if key not in [*quantized_keys(config), HEAD] or \
+                    (matrix.n_in, matrix.n_out) != (shapes[parts[0]][0], sum(shapes[p][1] for p in parts)):
                 raise ValueError(f"quantized matrices must be among the layers' matrices and the LM head, with their "
                                  f"shapes ({', '.join(quantized_keys(config))}, {HEAD}); got {key} "
                                  f"({matrix.n_in}, {matrix.n_out})")

@@ -78,15 +78,17 @@ def _validation_sources() -> tuple[tuple[bytes, np.ndarray], ...]:
     return tuple(sources)
 
 
+def _check_lengths(lengths, longest: int, what: str) -> None:
+    for length in lengths:
+        if not isinstance(length, (int, np.integer)) or not 1 <= length <= longest:
+            raise ValueError(f"prompt lengths must be integers in [1, {longest}] ({what}); got {length!r}")
+
+
 def stdlib_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     """One prompt per length: that many bytes of a validation file (chosen uniformly among those
     long enough), starting at a line start chosen uniformly among those that leave room."""
     sources = _validation_sources()
-    longest = max(len(data) for data, _ in sources)
-    for length in lengths:
-        if not isinstance(length, (int, np.integer)) or not 1 <= length <= longest:
-            raise ValueError(f"prompt lengths must be integers in [1, {longest}] (the longest validation file); "
-                             f"got {length!r}")
+    _check_lengths(lengths, max(len(data) for data, _ in sources), "the longest validation file")
     rng = np.random.default_rng(seed)
     prompts = []
     for length in lengths:
@@ -102,11 +104,7 @@ def tokenized_prompts(lengths: list[int], encode, seed: int = 0) -> list[list[in
     model's): that many tokens of one validation file's text, from a token chosen uniformly among
     those that leave room, the file chosen uniformly among those long enough."""
     files = [encode(data.decode("utf-8", "replace")) for data, _ in _validation_sources()]
-    longest = max(len(ids) for ids in files)
-    for length in lengths:
-        if not isinstance(length, (int, np.integer)) or not 1 <= length <= longest:
-            raise ValueError(f"prompt lengths must be integers in [1, {longest}] (the longest validation file, "
-                             f"in these tokens); got {length!r}")
+    _check_lengths(lengths, max(len(ids) for ids in files), "the longest validation file, in these tokens")
     rng = np.random.default_rng(seed)
     prompts = []
     for length in lengths:
