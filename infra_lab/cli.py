@@ -1,4 +1,4 @@
-"""The `infra-lab` command: assign, grade, and the book's housekeeping."""
+"""The `infra-lab` command: assign, grade, serve, route, bench, and the book's housekeeping."""
 from __future__ import annotations
 
 import argparse
@@ -136,6 +136,10 @@ def parser() -> argparse.ArgumentParser:
     models.add_argument("action", choices=["pull", "list"])
     models.add_argument("name", nargs="?", default="smollm2-135m", help="the model to pull (smollm2-135m)")
     models.set_defaults(run=_models)
+
+    from infra_lab.orchestration import commands as orchestration
+
+    orchestration.add_all(commands)
 
     tidy = commands.add_parser("tidy", help="put notebooks in committed form (setup cell, no outputs)")
     tidy.add_argument("notebooks", nargs="+", help="notebooks to tidy")

@@ -14,7 +14,9 @@ task, for its `TokenEvent`s (token, log-probability, weight version, finish reas
 n samples); each sample's last event carries its finish reason. `update_weights` checks and lays
 out new weights in the caller's thread and swaps them in between two steps; `export` and
 `import_request` move a request, with its K and V, to another loop's engine. Requests take the
-caller's string id or a generated one. When `max_waiting` requests already wait, `submit` raises
+caller's string id or a generated one. A server watches the loop through two callbacks, run in
+the loop's thread: `on_step(record)` after every step (its StepRecord), and `on_abort(steps)`
+when an abort takes effect, with the steps the engine ran between the call and then (0 or 1). When `max_waiting` requests already wait, `submit` raises
 `Overloaded` with an estimate of when to retry. `shutdown(drain=True)` serves what was submitted
 and stops the thread; `shutdown(drain=False)` aborts it.
 """
@@ -67,6 +69,7 @@ class RequestHandle:
         self._changed = threading.Condition()
         self._wakers: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
         self._engine_id: int | None = None  # set by the loop's thread when the engine takes it
+        self.cached_tokens = 0  # prompt tokens a prefix cache served, set when the request ends
 
     @property
     def finish_reason(self) -> str | None:
@@ -174,13 +177,13 @@ class RequestHandle:
 
 class EngineLoop:
     def __init__(self, engine, max_waiting: int = 256, start: bool = True, keep_finished: int = 1024,
-                 keep_steps: int = 10_000):
+                 keep_steps: int = 10_000, on_step=None, on_abort=None):
         """Serve `engine` from a thread of its own. `max_waiting`: submitted requests that may wait
         for their first step before `submit` raises Overloaded. `start=False` leaves the thread
         unstarted until `start()` (requests queue meanwhile). A service runs for long, so the loop
         keeps the books of the last `keep_finished` ended requests (older ones are forgotten, here
         and in the engine: their ids may be used again) and the engine's last `keep_steps` step
-        records."""
+        records. `on_step` and `on_abort` are called in the loop's thread (module docstring)."""
         for name, value in (("max_waiting", max_waiting), ("keep_finished", keep_finished),
                             ("keep_steps", keep_steps)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -205,6 +208,8 @@ class EngineLoop:
         self._step_s: deque[float] = deque(maxlen=64)  # recent step times
         self.weight_swaps: deque[tuple[float, float]] = deque(maxlen=keep_steps)  # recent weight updates in the
         # loop's thread: (when each began on the engine's clock, seconds it took)
+        self.on_step, self.on_abort = on_step, on_abort
+        self._abort_asked: dict[str, int] = {}  # request id -> engine.steps when abort was called
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         if start:
             self.start()
@@ -249,6 +254,7 @@ class EngineLoop:
             if self._handles[request_id].done:
                 return False
             self._inbox.append(("abort", request_id))
+            self._abort_asked.setdefault(request_id, self.engine.steps)
             self._wake.notify()
         return True
 
@@ -436,8 +442,12 @@ class EngineLoop:
 
     def _abort(self, engine_id: int) -> None:
         handle = self._live[engine_id]
+        with self._wake:
+            asked = self._abort_asked.pop(handle.request_id, None)
         self.engine.abort(engine_id)
         self._end(engine_id, self._endings(handle, "abort"))
+        if asked is not None and self.on_abort is not None:
+            self.on_abort(self.engine.steps - asked)
 
     def _endings(self, handle: RequestHandle, reason: str) -> list[TokenEvent]:
         """One token-less event per sample of `handle` that has not ended, with `reason`."""
@@ -447,8 +457,11 @@ class EngineLoop:
 
     def _end(self, engine_id: int, events: list[TokenEvent]) -> None:
         handle = self._live.pop(engine_id)
+        request = self.engine.requests.get(engine_id)
+        handle.cached_tokens = request.cached_tokens if request is not None else 0
         with self._wake:
             self._finishes.append(time.perf_counter())
+            self._abort_asked.pop(handle.request_id, None)
         handle._push(events)
         self._ended.append(handle.request_id)
         while len(self._ended) > self.keep_finished:  # the oldest ended request leaves the books
@@ -471,6 +484,8 @@ class EngineLoop:
                     self._wake.wait(None if deadline is None else max(0.0, deadline - engine.clock()))
             return
         self._step_s.append(time.perf_counter() - started)
+        if self.on_step is not None:
+            self.on_step(engine.log[-1])
         events: dict[int, list[TokenEvent]] = {}
         for out in outputs:
             events.setdefault(out.request_id, []).append(TokenEvent(

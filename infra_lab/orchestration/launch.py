@@ -1,0 +1,99 @@
+"""Start `infra-lab serve` or `infra-lab route` as a process of its own and stop it: what the
+tests, the benchmarks, the chapter and a rolling update do.
+
+A command started with `--port 0` binds a free port and, once it answers requests, prints one
+line: `listening on http://HOST:PORT` (`announce`). `start` waits for that line, so there is no
+race for a port and no polling. `stop` sends SIGTERM (the server drains what is in flight) and
+waits; a process that does not stop in time is killed.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+
+ANNOUNCE = "listening on "
+
+
+def announce(host: str, port: int) -> None:
+    """The line `start` waits for: printed by the server or router once it takes requests."""
+    print(f"{ANNOUNCE}http://{host}:{port}", flush=True)
+
+
+class Launched:
+    """A running `infra-lab` server or router: its `url`, its recent output, and `stop`."""
+
+    def __init__(self, process: subprocess.Popen, url: str, lines: deque):
+        self.process, self.url, self.lines = process, url, lines
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def kill(self) -> None:
+        """SIGKILL: the process dies at once, as a crashed worker does."""
+        if self.alive:
+            self.process.kill()
+            self.process.wait()
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM, then wait; killed if it has not stopped within `timeout_s`. Its exit status."""
+        if self.alive:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def start(command: str, args: list[str], timeout_s: float = 120.0, env: dict | None = None,
+          threads: int | None = None) -> Launched:
+    """Run `infra-lab COMMAND ARGS... --port 0` and wait until it listens. `threads` caps its
+    kernels' CPU threads (numba, BLAS, torch). Raises RuntimeError with its output if it exits
+    or stays silent for `timeout_s`."""
+    if command not in ("serve", "route"):
+        raise ValueError(f"command must be 'serve' or 'route'; got {command!r}")
+    environment = dict(os.environ if env is None else env)
+    environment["PYTHONUNBUFFERED"] = "1"
+    if threads is not None:
+        for name in ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            environment[name] = str(threads)
+    process = subprocess.Popen([sys.executable, "-m", "infra_lab.cli", command, *args, "--port", "0"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment)
+    lines: deque[str] = deque(maxlen=400)
+    found: list[str] = []
+    listening = threading.Event()
+
+    def read() -> None:
+        for line in process.stdout:
+            lines.append(line)
+            if not found and line.startswith(ANNOUNCE):
+                found.append(line[len(ANNOUNCE):].strip())
+                listening.set()
+        listening.set()  # the process closed its output: it has exited
+
+    threading.Thread(target=read, daemon=True, name=f"infra-lab-{command}-output").start()
+    deadline = time.monotonic() + timeout_s
+    listening.wait(timeout_s)
+    if not found:
+        if process.poll() is None and time.monotonic() >= deadline:
+            process.kill()
+        process.wait()
+        raise RuntimeError(f"`infra-lab {command} {' '.join(args)}` did not start (exit {process.returncode}):\n"
+                           + "".join(lines)[-4000:])
+    return Launched(process, found[0], lines)
