@@ -55,6 +55,8 @@ def add_bench_serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", default="sharegpt", choices=["sharegpt", "shared-prefix"],
                         help="chapter 05's ShareGPT-like lengths, or prompts that share a few long openings")
     parser.add_argument("--num-prompts", type=_positive_int, default=100)
+    parser.add_argument("--num-prefixes", type=_positive_int, default=3,
+                        help="shared-prefix: how many openings the prompts share")
     parser.add_argument("--request-rate", type=_rate, default=float("inf"),
                         help="requests per second (inf: all at once)")
     parser.add_argument("--burstiness", type=float, default=1.0,

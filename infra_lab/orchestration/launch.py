@@ -97,3 +97,37 @@ def start(command: str, args: list[str], timeout_s: float = 120.0, env: dict | N
         raise RuntimeError(f"`infra-lab {command} {' '.join(args)}` did not start (exit {process.returncode}):\n"
                            + "".join(lines)[-4000:])
     return Launched(process, found[0], lines)
+
+
+class InThread:
+    """A FastAPI app served by uvicorn from a thread of this process (a notebook's router with a
+    policy of one's own, say): its `url`, and `stop`."""
+
+    def __init__(self, app, host: str = "127.0.0.1", timeout_s: float = 30.0):
+        import socket
+
+        import uvicorn
+
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind((host, 0))
+        self.url = f"http://{host}:{self._listener.getsockname()[1]}"
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._listener]},
+                                        daemon=True, name="infra-lab-in-thread")
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the app did not start serving on {self.url} within {timeout_s} s")
+            time.sleep(0.01)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout_s)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
