@@ -17,6 +17,11 @@ import importlib
 ANSWERS: dict[str, tuple[str, ...]] = {
     "ch05.preempt": ("._preempt",),
     "ch05.serving_metrics": ("infra_lab.serving.metrics.summarize",),
+    "ch06.tpot_and_itl": ("infra_lab.orchestration.bench_metrics.compute",
+                          "infra_lab.orchestration.bench_metrics.RequestTrace"),
+    "ch06.TokenBucket": ("infra_lab.orchestration.tenants.TokenBucket",),
+    "ch06.cache_aware_choice": ("infra_lab.orchestration.policies.CacheAware",),
+    "ch06.YourPolicy": ("infra_lab.orchestration.policies.CacheAware",),
     "ch07.expected_tokens": ("infra_lab.serving.speculative.expected_tokens",),
     "ch07.best_gamma": ("infra_lab.serving.speculative.best_gamma",),
     "ch07.verify_greedy": ("infra_lab.serving.speculative.accept_greedy",),
