@@ -27,9 +27,16 @@ target model on this machine's CPU. Sections:
 """
 from __future__ import annotations
 
-import asyncio
+import os
+
+# The engine loop in this process runs as `infra-lab serve` runs it: one BLAS thread, fixed before
+# numpy loads (OpenBLAS's idle threads would spin on a core the engine needs).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import asyncio  # noqa: E402
 import json
 import math
+import resource
 import statistics
 import sys
 import tempfile
@@ -48,10 +55,10 @@ from engine_core import median_interval, run_sections, section_parser  # noqa: E
 
 RESULTS = Path(__file__).parent / "results" / "serving_http.json"
 SECTIONS = ("overhead", "latency", "overload", "disconnects", "router", "tenants", "reload", "explorer")
-FULL = {"requests": 64, "rounds": 7, "rates": (1.0, 2.0, 4.0, 8.0), "latency_requests": 48, "overload_s": 60.0,
-        "streams": 100, "router_requests": 96, "router_rounds": 3, "tenant_requests": 40, "reloads": 10,
+FULL = {"requests": 64, "rounds": 7, "rates": (0.25, 0.5, 0.75, 1.0, 1.25), "latency_requests": 48, "overload_s": 60.0,
+        "streams": 100, "router_requests": 96, "router_rounds": 3, "tenant_requests": 80, "reloads": 10,
         "rolling": 2, "grid_requests": 32, "grid_rates": (2.0, 4.0, 8.0)}
-QUICK = {"requests": 16, "rounds": 2, "rates": (2.0, 8.0), "latency_requests": 12, "overload_s": 8.0,
+QUICK = {"requests": 16, "rounds": 2, "rates": (0.5, 1.25), "latency_requests": 12, "overload_s": 8.0,
          "streams": 20, "router_requests": 24, "router_rounds": 1, "tenant_requests": 12, "reloads": 3,
          "rolling": 1, "grid_requests": 8, "grid_rates": (4.0,)}
 OVERHEAD_TARGET = 0.85  # HTTP keeps at least 85% of the loop's throughput
@@ -74,6 +81,15 @@ def metrics_of(url: str) -> dict[str, float]:
             labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
             out[f"{sample.name}{{{labels}}}"] = sample.value
     return out
+
+
+def cpu_s(pid: int | None = None) -> float:
+    """CPU seconds (user and system) a process has used: this one, or `pid`."""
+    if pid is None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def resident_mb(pid: int) -> float:
@@ -117,18 +133,25 @@ class InProcessLoop:
 def overhead(sizes: dict) -> dict:
     requests = loadgen.workload("sharegpt", sizes["requests"], seed=1)
     loop_rates, http_rates, request_rates, ratios = [], [], [], []
+    cpu = {"loop": [], "server": [], "client": []}  # CPU seconds per output token, each round
+    tokens = sum(r.max_tokens for r in requests)
     peer = InProcessLoop()
     with launch.start("serve", SERVE + ["--max-queue", str(len(requests) + 1)]) as server:
         loadgen.run(server.url, "target", requests[:8])  # both warm: the kernels' first shapes compiled
         peer.throughput(requests[:8])
+        pid = server.process.pid
         for round_ in range(sizes["rounds"]):
             order = ("loop", "http") if round_ % 2 == 0 else ("http", "loop")
             rates = {}
             for kind in order:
+                mine, theirs = cpu_s(), cpu_s(pid)
                 if kind == "loop":
                     rates[kind] = peer.throughput(requests)
+                    cpu["loop"].append((cpu_s() - mine) / tokens)
                 else:
                     traces, duration_s = loadgen.run(server.url, "target", requests)
+                    cpu["client"].append((cpu_s() - mine) / tokens)
+                    cpu["server"].append((cpu_s(pid) - theirs) / tokens)
                     figures = summary(traces, duration_s)
                     assert figures["failed"] == 0, [t.error for t in traces if not t.success][:3]
                     rates[kind] = figures["output_throughput"]
@@ -143,15 +166,20 @@ def overhead(sizes: dict) -> dict:
             "tokens_per_s": {"loop": statistics.median(loop_rates), "http": statistics.median(http_rates)},
             "saturating_request_rate": statistics.median(request_rates),
             "http_over_loop": {"median": ratio, "interval_95": [low, high], "rounds": ratios},
+            "cpu_us_per_token": {k: 1e6 * statistics.median(v) for k, v in cpu.items()},
+            "cores_busy": {"loop": statistics.median(loop_rates) * statistics.median(cpu["loop"]),
+                           "server": statistics.median(http_rates) * statistics.median(cpu["server"]),
+                           "client": statistics.median(http_rates) * statistics.median(cpu["client"])},
             "target": f"HTTP keeps at least {OVERHEAD_TARGET:.0%} of the loop", "passed": ratio >= OVERHEAD_TARGET}
 
 
-def latency(sizes: dict) -> dict:
+def latency(sizes: dict, saturating_rate: float) -> dict:
+    """The latency-throughput curve: Poisson arrivals at shares of the saturating rate."""
     requests = loadgen.workload("sharegpt", sizes["latency_requests"], seed=2)
     runs = {}
     with launch.start("serve", SERVE) as server:
         loadgen.run(server.url, "target", requests[:4])
-        for rate in sizes["rates"]:
+        for rate in (round(share * saturating_rate, 2) for share in sizes["rates"]):
             traces, duration_s = loadgen.run(server.url, "target", requests, rate_per_s=rate, seed=3)
             figures = summary(traces, duration_s)
             done = [t for t in traces if t.success]
@@ -310,16 +338,19 @@ def rolling_updates(sizes: dict, files) -> dict:
         for i in range(sizes["rolling"]):
             path = files[(i + 1) % 2][0]
             time.sleep(0.5)
-            worker, timings = rolling.rolling_update(router.url, "bench", worker,
-                                                     ["--model", path, "--served-model-name", "target"], threads=1)
+            serve_args = ["--model", path, "--served-model-name", "target", "--weight-version", str(i + 1)]
+            worker, timings = rolling.rolling_update(router.url, "bench", worker, serve_args, threads=1)
             phases.append(timings)
         time.sleep(0.5)
         outcomes = load.stop()
     worker.stop()
     failed = [o for o in outcomes if not isinstance(o, set)]
+    versions = sorted(set().union(*(o for o in outcomes if isinstance(o, set))))
     return {"updates": len(phases), "phases_s": phases, "responses": len(outcomes), "failed": len(failed),
+            "versions_seen": versions,
             "failures": failed[:5], "one_version_each": all(len(o) == 1 for o in outcomes if isinstance(o, set)),
-            "passed": not failed and all(len(o) == 1 for o in outcomes if isinstance(o, set))}
+            "passed": not failed and all(len(o) == 1 for o in outcomes if isinstance(o, set))
+            and len(versions) == len(phases) + 1}
 
 
 def reload(sizes: dict) -> dict:
@@ -426,7 +457,7 @@ def kill_a_worker(sizes: dict) -> dict:
 
 def tenants(sizes: dict, saturating_rate: float) -> dict:
     good_rate = saturating_rate / 4
-    flood_quota = saturating_rate / 4  # requests per second the flooding tenant may send
+    flood_quota = saturating_rate / 10  # requests per second the flooding tenant may send: it sends 10x
     config = {"tenants": [
         {"name": "good", "api_key": "good-key", "priority": 1, "requests_per_s": 10 * good_rate},
         {"name": "flood", "api_key": "flood-key", "priority": 0, "requests_per_s": flood_quota,
@@ -436,7 +467,8 @@ def tenants(sizes: dict, saturating_rate: float) -> dict:
         json.dump(config, handle)
     try:
         good = loadgen.workload("sharegpt", sizes["tenant_requests"], seed=9, max_tokens=64)
-        flood = loadgen.workload("sharegpt", 10 * sizes["tenant_requests"], seed=10, max_tokens=64)
+        lasting_s = len(good) / good_rate  # the flood lasts as long as the good tenant's run
+        flood = loadgen.workload("sharegpt", max(1, round(10 * flood_quota * lasting_s)), seed=10, max_tokens=64)
         with fleet.router("least-outstanding", ["--tenants", handle.name]) as router:
             alone, _ = loadgen.run(router.url, "target", good, rate_per_s=good_rate, seed=11, api_key="good-key")
             both: dict = {}
@@ -524,7 +556,7 @@ def main() -> None:
         return 4.0
 
     run_sections("benchmarks/serving_http.py", SECTIONS,
-                 {"overhead": lambda _: overhead(sizes), "latency": lambda _: latency(sizes),
+                 {"overhead": lambda _: overhead(sizes), "latency": lambda s: latency(sizes, saturating(s)),
                   "overload": lambda s: overload(sizes, saturating(s)), "disconnects": lambda _: disconnects(sizes),
                   "router": lambda s: router(sizes, saturating(s)), "tenants": lambda s: tenants(sizes, saturating(s)),
                   "reload": lambda _: reload(sizes), "explorer": lambda _: explorer(sizes)},

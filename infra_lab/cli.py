@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
-from infra_lab.grading import notebooks
-
 
 def _assign(args: argparse.Namespace) -> int:
+    from infra_lab.grading import notebooks
+
     changed = notebooks.assign(Path(args.solutions), Path(args.exercises), write_files=not args.check)
     if args.check:
         for path in changed:
@@ -20,7 +21,7 @@ def _assign(args: argparse.Namespace) -> int:
 
 
 def _grade(args: argparse.Namespace) -> int:
-    from infra_lab.grading import grade
+    from infra_lab.grading import grade, notebooks
 
     submissions = grade.expand(args.submissions)
     bad = []
@@ -150,6 +151,11 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.command == "serve":
+        # before numpy loads: OpenBLAS starts its threads then, and idle ones spin after each call
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", str(args.blas_threads))
+    from infra_lab.grading import notebooks
+
     try:
         return args.run(args)
     except notebooks.NotANotebook as error:

@@ -139,3 +139,39 @@ def test_the_pretrained_model_chats_through_the_openai_client():
         text = client.completions.create(model="smollm2-135m", prompt="def fibonacci(n):", max_tokens=8,
                                          temperature=0)
         assert text.usage.completion_tokens == 8 and np.isfinite(text.usage.prompt_tokens)
+
+
+def test_rolling_updates_through_the_router_serve_each_response_from_one_version(tmp_path):
+    """Two rolling updates under steady load: no request fails, and every response's chunks name
+    one weight version (the worker it came from)."""
+    from infra_lab.orchestration import rolling
+
+    files = [weight_file(tmp_path / f"w{i}.npz", scale)[0] for i, scale in enumerate((0.9, 1.0))]
+    worker = launch.start("serve", ["--model", "target"], threads=1)
+    with launch.start("route", ["--worker", worker.url, "--admin-key", "secret", "--health-interval", "0.2"]) as router:
+        client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+        outcomes, stop = [], threading.Event()
+
+        def steady_load():
+            while not stop.is_set():
+                try:
+                    chunks = list(client.completions.create(model="target", prompt=PROMPT, max_tokens=16,
+                                                            temperature=0, stream=True))
+                    outcomes.append({c.system_fingerprint for c in chunks})
+                except openai.OpenAIError as error:
+                    outcomes.append(error)
+
+        sender = threading.Thread(target=steady_load)
+        sender.start()
+        for i, path in enumerate(files):
+            time.sleep(0.5)
+            args = ["--model", path, "--served-model-name", "target", "--weight-version", str(i + 1)]
+            worker, timings = rolling.rolling_update(router.url, "secret", worker, args, threads=1)
+            assert timings["total_s"] > 0
+        time.sleep(0.5)
+        stop.set()
+        sender.join()
+    worker.stop()
+    assert [o for o in outcomes if isinstance(o, Exception)] == []
+    assert all(len(fingerprints) == 1 for fingerprints in outcomes)
+    assert set().union(*outcomes) == {"infra-lab-w0", "infra-lab-w1", "infra-lab-w2"}

@@ -47,7 +47,7 @@ def decode_attention_numpy(q, k, v, lengths):
 SPLIT = 256  # cached positions per task: contiguous rows of K and V, all heads at once
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
+@numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def _decode_attention_splits(q, k, v, lengths, scale, top, total, acc):
     """Flash-decoding: every task takes SPLIT positions of one sequence, reads those rows of K
     and V once for all heads, and leaves a partial softmax per head: its max score `top`, the

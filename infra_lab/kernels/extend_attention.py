@@ -79,7 +79,7 @@ def tasks(query_starts, context_lens, n_kv: int, tile_q: int = TILE_Q) -> np.nda
 def _extend_tiles_for(head_dim: int):
     """The kernel with head_dim fixed at compile time (one compile per head_dim, cached on disk)."""
 
-    @numba.njit(parallel=True, fastmath=True, cache=True)
+    @numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
     def extend_tiles(q_scaled, k_flat, v_flat, k_stride, v_stride, block_size, n_kv, tables, row_seq,
                      row_pos, work, n_workers, out):
         # Each of n_workers threads takes tasks worker, worker + n_workers, ...: a tile of query

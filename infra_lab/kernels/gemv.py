@@ -28,7 +28,7 @@ def gemv_numpy(weights: np.ndarray, x: np.ndarray) -> np.ndarray:
 ROWS_PER_TASK = 4  # rows that share each load of x
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
+@numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def _gemv_rows(weights, x, out):  # (n_out, n_in), (n_in,), (n_out,)
     n_out, n_in = weights.shape
     for task in numba.prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):

@@ -97,7 +97,7 @@ def _paged_chunks_for(head_dim: int):
     """The kernel below with head_dim fixed when numba compiles it, so LLVM turns each loop over
     d into whole vector instructions. One compile per head_dim, cached on disk like the rest."""
 
-    @numba.njit(parallel=True, fastmath=True, cache=True)
+    @numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
     def paged_chunks(q_scaled, k_flat, v_flat, k_stride, v_stride, block_size, n_kv, blocks, seqs, logicals,
                      lengths, bounds, top, total, acc):
         # k_flat, v_flat: flat pools; in block n, (slot, KV head g) starts at n * stride + (slot * n_kv + g) * d.

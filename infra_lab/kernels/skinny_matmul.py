@@ -44,7 +44,7 @@ def matmul_numpy(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return x.astype(np.float64) @ w.astype(np.float64)
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
+@numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def _one_row(x, w_t, out):  # x (1, n_in), W^T (n_out, n_in) row-major, out (1, n_out): a GEMV
     n_out, n_in = w_t.shape
     for task in numba.prange((n_out + BLOCK - 1) // BLOCK):
@@ -55,7 +55,7 @@ def _one_row(x, w_t, out):  # x (1, n_in), W^T (n_out, n_in) row-major, out (1, 
             out[0, o] = total
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
+@numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def _few_rows(x, w_t, out):  # x (B, n_in), W^T (n_out, n_in) row-major, out (B, n_out)
     batch, n_in = x.shape
     n_out = w_t.shape[0]

@@ -28,6 +28,8 @@ def add_serve(parser: argparse.ArgumentParser) -> None:
                         help="the book's models by name (target, draft), a pretrained one (smollm2-135m), "
                              "or a weights file (.npz of the book's models, or a llama .gguf)")
     parser.add_argument("--served-model-name", help="the name clients ask for (default: --model)")
+    parser.add_argument("--weight-version", type=int, default=0,
+                        help="the version the weights start as (each response's system_fingerprint names it)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="port (0: a free one, printed at start)")
     parser.add_argument("--policy", default="chunked", help="the engine's batching policy (EngineConfig.policy)")
@@ -41,6 +43,8 @@ def add_serve(parser: argparse.ArgumentParser) -> None:
                         help="requests that may wait for their first step; more get 429 with Retry-After")
     parser.add_argument("--max-n", type=_positive_int, default=16, help="most samples one request may ask for")
     parser.add_argument("--threads", type=_positive_int, help="CPU threads for the kernels (default: all)")
+    parser.add_argument("--blas-threads", type=_positive_int, default=1,
+                        help="threads for numpy's BLAS (1: they would spin on the cores numba's kernels need)")
     parser.add_argument("--backend", help="numpy, numba or torch (default: the best this machine has)")
     parser.add_argument("--admin-key", help="the key POST /admin/weights demands (none: hot reload is off)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,

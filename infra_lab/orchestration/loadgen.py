@@ -236,18 +236,38 @@ async def run_async(base_url: str, model: str, requests: Sequence[BenchRequest],
     return list(traces), duration_s
 
 
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's event loop where it is installed (uvicorn's own choice: it reads a stream's chunks
+    for a fraction of asyncio's CPU time, which a load generator sharing the server's machine
+    takes from the server), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def _run_on_a_new_loop(coroutine):
+    loop = _event_loop()
+    try:
+        return loop.run_until_complete(coroutine)
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+
+
 def run(base_url: str, model: str, requests: Sequence[BenchRequest], **kwargs) -> tuple[list[RequestTrace], float]:
     """`run_async` from synchronous code; inside a running event loop (Jupyter), in a fresh thread."""
     coroutine = run_async(base_url, model, requests, **kwargs)
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(coroutine)
+        return _run_on_a_new_loop(coroutine)
     outcome: dict = {}
 
     def in_thread() -> None:
         try:
-            outcome["value"] = asyncio.run(coroutine)
+            outcome["value"] = _run_on_a_new_loop(coroutine)
         except BaseException as exc:  # handed to the caller's thread
             outcome["error"] = exc
 

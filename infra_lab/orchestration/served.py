@@ -72,22 +72,26 @@ def _byte_token_text(token: int) -> str:
     return chr(token) if token < 128 else f"bytes:\\x{token:02x}"  # vLLM's spelling of a partial character
 
 
-def load(model: str, name: str | None = None) -> Served:
+def load(model: str, name: str | None = None, version: int = 0) -> Served:
     """The book's models by name (BOOK_MODELS), a pretrained one by name, or a file: a .npz of the
-    book's format, or a llama .gguf. Raises by name when none of these fits."""
+    book's format, or a llama .gguf; its weights start as `version`. Raises by name when none of
+    these fits."""
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ValueError(f"a weight version is a whole number >= 0; got {version!r}")
     from infra_lab.model import pretrained, weights as weight_files
     from infra_lab.model.transformer import Transformer
 
     if model in BOOK_MODELS or (model.endswith(".npz") and Path(model).is_file()):
         path = weight_files.path_for(model) if model in BOOK_MODELS else Path(model)
         state, config, figures = weight_files.load(path)
-        return Served(name or model, Transformer(config, state, figures),
+        return Served(name or model, Transformer(config, state, figures, version),
                       encode=lambda text: list(text.encode("utf-8")),
                       decode=lambda ids: bytes(ids).decode("utf-8", errors="replace"),
                       token_text=_byte_token_text, chat=_byte_chat, end_of_text=(), end_of_turn=(),
                       byte_tokens=True, about=f"the book's {config.name} model ({path.name}), byte tokens")
     if model in pretrained.MODELS or model.endswith(".gguf"):
         transformer, tokenizer = pretrained.load(model)
+        transformer.version = version
         return Served(name or model, transformer, encode=tokenizer.encode,
                       decode=lambda ids: tokenizer.decode(ids, skip_special=True),
                       token_text=lambda token: tokenizer.decode([token]),

@@ -332,7 +332,7 @@ def main(args) -> int:
     from infra_lab.serving.config import EngineConfig
 
     try:
-        served = served_models.load(args.model, args.served_model_name)
+        served = served_models.load(args.model, args.served_model_name, args.weight_version)
         config = EngineConfig(policy=args.policy, max_batch=args.max_batch, token_budget=args.token_budget,
                               num_blocks=args.num_blocks, block_size=args.block_size,
                               prefix_cache=None if args.prefix_cache == "none" else args.prefix_cache)
@@ -340,8 +340,7 @@ def main(args) -> int:
     except (ValueError, FileNotFoundError, backends.BackendUnavailable) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    if args.threads:
-        _set_threads(args.threads)
+    _set_threads(args.threads, args.blas_threads)
     server = Server(served, config, backend, max_queue=args.max_queue, max_n=args.max_n, admin_key=args.admin_key)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -353,9 +352,14 @@ def main(args) -> int:
     return 0
 
 
-def _set_threads(threads: int) -> None:
+def _set_threads(threads: int | None, blas_threads: int) -> None:
+    """numba's kernel threads (all the cores unless `threads`), and BLAS's: one by default, as the
+    chapters run, since BLAS threads that spin after a matmul take the cores numba's next kernel
+    needs (a step of the target model ran several times slower beside them)."""
     import numba
     from threadpoolctl import threadpool_limits
 
-    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-    threadpool_limits(threads)
+    if threads:  # the pool's size, read when the first parallel kernel starts it (the warm-up's):
+        # numba.set_num_threads would hold for the calling thread only, not the engine loop's
+        numba.config.NUMBA_NUM_THREADS = min(threads, numba.config.NUMBA_NUM_THREADS)
+    threadpool_limits(min(blas_threads, threads or blas_threads), "blas")

@@ -284,7 +284,7 @@ def _int4_tile(t, x_first, x_rest, x_sums, tiles, scales, group, out):
         out[b, t * rows:(t + 1) * rows] = total
 
 
-@numba.njit(fastmath=True, cache=True)
+@numba.njit(fastmath=True, cache=True, nogil=True)
 def _int4_inputs(x, group):
     """x (B, n_in) -> x_first, x_rest (B, n_in / 2) and x_sums (B, G): each group's first half
     of x, its second half minus 16 times the first, and its sum (what _int4_tile meets)."""
@@ -303,26 +303,26 @@ def _int4_inputs(x, group):
     return x_first, x_rest, x_sums
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
+@numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def _int8_threads(x, tiles, scales, group, out):
     for t in numba.prange(tiles.shape[0]):
         _int8_tile(t, x, tiles, scales, group, out)
 
 
-@numba.njit(fastmath=True, cache=True)
+@numba.njit(fastmath=True, cache=True, nogil=True)
 def _int8_one_thread(x, tiles, scales, group, out):
     for t in range(tiles.shape[0]):
         _int8_tile(t, x, tiles, scales, group, out)
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
+@numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def _int4_threads(x, tiles, scales, group, out):
     x_first, x_rest, x_sums = _int4_inputs(x, group)
     for t in numba.prange(tiles.shape[0]):
         _int4_tile(t, x_first, x_rest, x_sums, tiles, scales, group, out)
 
 
-@numba.njit(fastmath=True, cache=True)
+@numba.njit(fastmath=True, cache=True, nogil=True)
 def _int4_one_thread(x, tiles, scales, group, out):
     x_first, x_rest, x_sums = _int4_inputs(x, group)
     for t in range(tiles.shape[0]):
