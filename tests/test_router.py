@@ -151,7 +151,8 @@ def test_least_outstanding_avoids_the_busy_worker(fleet):
     router, workers, state = fleet(2, policy=LeastOutstanding(seed=0))
     hold = threading.Thread(target=complete, args=(router.url, "hold"))
     hold.start()
-    until(lambda: sum(w.outstanding for w in state.workers.values()) == 1)
+    until(lambda: any(w.prompts == ["hold"] for w in workers))  # the router counts it before it arrives
+    assert sum(w.outstanding for w in state.workers.values()) == 1
     busy = next(w for w in workers if w.prompts == ["hold"])
     for i in range(6):
         assert complete(router.url, f"q{i}").json()["worker"] != busy.name
