@@ -8,12 +8,15 @@ stream ends with `data: [DONE]`. The gaps between the lanes' times are the overh
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from matplotlib.figure import Figure
 
 LANES = ("client", "HTTP server", "engine loop")
 X = {lane: x for lane, x in zip(LANES, (0.0, 1.0, 2.0))}
+PLATE = {"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none"}  # a label over lines stays legible
+LABEL_GAP = 0.055  # the least distance between two labels, as a share of the request's time
 
 
 @dataclass(frozen=True)
@@ -50,26 +53,35 @@ def messages(path: RequestPath, shown: int = 3) -> list[tuple[str, str, float, f
 
 
 def draw(path: RequestPath, shown: int = 3) -> Figure:
-    """The sequence diagram of `path` (RequestPath), times in ms after the client's send."""
-    figure = Figure(figsize=(6.5, 4.2), layout="constrained")
+    """The sequence diagram of `path` (RequestPath), times in ms after the client's send. Labels
+    that would overlap (steps a few ms apart) are moved down until they clear each other, and a
+    thin line ties each to its arrow."""
+    figure = Figure(figsize=(6.5, 4.6), layout="constrained")
     ax = figure.add_subplot()
     end_ms = 1e3 * (path.done_s - path.sent_s)
+    gap_ms = LABEL_GAP * end_ms  # the least vertical distance between two labels
     for lane, x in X.items():
         ax.plot([x, x], [0, end_ms * 1.04], color="0.6", linewidth=1)
         ax.text(x, -0.03 * end_ms, lane, ha="center", va="bottom", fontsize=10, fontweight="bold")
+    last_label_ms = -math.inf
     for source, target, start_s, stop_s, label in messages(path, shown):
         y0, y1 = 1e3 * (start_s - path.sent_s), 1e3 * (stop_s - path.sent_s)
         x0, x1 = X[source], X[target]
         if source == target:  # work inside a lane: a bar along it
             ax.plot([x0, x0], [y0, y1], color="#c98a00", linewidth=6, solid_capstyle="butt")
-            ax.text(x0 - 0.06, (y0 + y1) / 2, label, ha="right", va="center", fontsize=9)
+            ax.text(x0 + 0.06, (y0 + y1) / 2, f"{label} ({y1 - y0:.1f} ms)", ha="left", va="center", fontsize=9,
+                    bbox=PLATE)
             continue
         ax.annotate("", xy=(x1, y1), xytext=(x0, y0),
                     arrowprops={"arrowstyle": "->", "color": "#1f77b4" if x1 > x0 else "#2ca02c"})
-        ax.text((x0 + x1) / 2, (y0 + y1) / 2, f"{label} ({y1 - y0:.1f} ms)", ha="center", va="bottom",
-                fontsize=9, rotation=0)
-    ax.set_ylim(end_ms * 1.06, -0.08 * end_ms)
-    ax.set_xlim(-0.9, 2.4)
+        middle = ((x0 + x1) / 2, (y0 + y1) / 2)
+        label_ms = max(middle[1], last_label_ms + gap_ms)
+        last_label_ms = label_ms
+        ax.annotate(f"{label} ({y1 - y0:.1f} ms)", xy=middle, xytext=(middle[0], label_ms), ha="center",
+                    va="bottom", fontsize=9, bbox=PLATE,
+                    arrowprops={"arrowstyle": "-", "color": "0.7", "linewidth": 0.6} if label_ms > middle[1] else None)
+    ax.set_ylim(max(end_ms * 1.06, last_label_ms + gap_ms), -0.08 * end_ms)
+    ax.set_xlim(-0.9, 2.9)
     ax.set_xticks([])
     ax.set_ylabel("ms after the client sent the request")
     for side in ("top", "right", "bottom"):
