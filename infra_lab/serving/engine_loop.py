@@ -16,9 +16,10 @@ out new weights in the caller's thread and swaps them in between two steps; `exp
 `import_request` move a request, with its K and V, to another loop's engine. Requests take the
 caller's string id or a generated one. A server watches the loop through two callbacks, run in
 the loop's thread: `on_step(record)` after every step (its StepRecord), and `on_abort(steps)`
-when an abort takes effect, with the steps the engine ran between the call and then (0 or 1). When `max_waiting` requests already wait, `submit` raises
-`Overloaded` with an estimate of when to retry. `shutdown(drain=True)` serves what was submitted
-and stops the thread; `shutdown(drain=False)` aborts it.
+when an abort takes effect, with the steps the engine ran between the call and then (0 or 1).
+When `max_waiting` requests already wait, `submit` raises `Overloaded` with an estimate of when
+to retry. `shutdown(drain=True)` serves what was submitted and stops the thread;
+`shutdown(drain=False)` aborts it.
 """
 from __future__ import annotations
 
