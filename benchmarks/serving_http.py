@@ -185,8 +185,7 @@ def latency(sizes: dict, saturating_rate: float) -> dict:
             done = [t for t in traces if t.success]
             runs[str(rate)] = figures | {"rate_per_s": rate,
                                          "ttft_s": [t.ttft_s for t in done],
-                                         "tpot_s": [t.tpot_s for t in done if t.tpot_s is not None],
-                                         "itl_s": [g for t in done for g in t.itls_s]}
+                                         "tpot_s": [t.tpot_s for t in done if t.tpot_s is not None]}
     return {"requests": len(requests), "runs": runs, "passed": all(r["failed"] == 0 for r in runs.values())}
 
 
