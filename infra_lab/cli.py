@@ -152,8 +152,11 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.command == "serve":
-        # before numpy loads: OpenBLAS starts its threads then, and idle ones spin after each call
+        # before numpy and numba load: they size their thread pools then (and OpenBLAS's idle
+        # threads spin after each call, on the cores numba's kernels need)
         os.environ.setdefault("OPENBLAS_NUM_THREADS", str(args.blas_threads))
+        if args.threads:
+            os.environ["NUMBA_NUM_THREADS"] = str(args.threads)
     from infra_lab.grading import notebooks
 
     try:

@@ -32,22 +32,25 @@ def reload(url: str, path: str, sha: str, key: str = "secret", **extra) -> httpx
                       headers={"authorization": f"Bearer {key}"}, timeout=60)
 
 
+def steady_load(client: openai.OpenAI, stop: threading.Event, outcomes: list) -> None:
+    """Stream 16 greedy tokens at a time until `stop`: each response's set of fingerprints (the
+    weight versions its chunks came from), or its error."""
+    while not stop.is_set():
+        try:
+            chunks = list(client.completions.create(model="target", prompt=PROMPT, max_tokens=16, temperature=0,
+                                                    stream=True))
+            outcomes.append({c.system_fingerprint for c in chunks})
+        except openai.OpenAIError as error:
+            outcomes.append(error)
+
+
 def test_in_place_reloads_under_load_fail_nothing_and_pause_briefly(tmp_path):
     files = [weight_file(tmp_path / f"w{i}.npz", scale) for i, scale in enumerate((1.0, 0.9))]
     with launch.start("serve", ["--model", "target", "--admin-key", "secret"], threads=1) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         outcomes, stop = [], threading.Event()
 
-        def steady_load():
-            while not stop.is_set():
-                try:
-                    chunks = list(client.completions.create(model="target", prompt=PROMPT, max_tokens=16,
-                                                            temperature=0, stream=True))
-                    outcomes.append({c.system_fingerprint for c in chunks})
-                except openai.OpenAIError as error:
-                    outcomes.append(error)
-
-        senders = [threading.Thread(target=steady_load) for _ in range(3)]
+        senders = [threading.Thread(target=steady_load, args=(client, stop, outcomes)) for _ in range(3)]
         for sender in senders:
             sender.start()
         pauses = []
@@ -148,20 +151,12 @@ def test_rolling_updates_through_the_router_serve_each_response_from_one_version
 
     files = [weight_file(tmp_path / f"w{i}.npz", scale)[0] for i, scale in enumerate((0.9, 1.0))]
     worker = launch.start("serve", ["--model", "target"], threads=1)
-    with launch.start("route", ["--worker", worker.url, "--admin-key", "secret", "--health-interval", "0.2"]) as router:
+    route = ["--worker", worker.url, "--admin-key", "secret", "--health-interval", "0.2"]
+    with launch.start("route", route) as router:
         client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
         outcomes, stop = [], threading.Event()
 
-        def steady_load():
-            while not stop.is_set():
-                try:
-                    chunks = list(client.completions.create(model="target", prompt=PROMPT, max_tokens=16,
-                                                            temperature=0, stream=True))
-                    outcomes.append({c.system_fingerprint for c in chunks})
-                except openai.OpenAIError as error:
-                    outcomes.append(error)
-
-        sender = threading.Thread(target=steady_load)
+        sender = threading.Thread(target=steady_load, args=(client, stop, outcomes))
         sender.start()
         for i, path in enumerate(files):
             time.sleep(0.5)

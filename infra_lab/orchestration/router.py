@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from infra_lab.orchestration.openai_api import ApiError
 from infra_lab.orchestration.policies import POLICIES, CacheAware, LeastOutstanding, Policy, Worker
 from infra_lab.orchestration.tenants import PriorityGate, Tenants, token_cost
 
@@ -43,13 +44,9 @@ class RouterSettings:
     request_timeout_s: float = 600.0  # the longest wait for a worker's next bytes
 
 
-def error_body(message: str, kind: str, code: str | None = None, param: str | None = None) -> dict:
-    """OpenAI's error object."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
 def error(status: int, message: str, kind: str, code: str | None = None, headers: dict | None = None):
-    return JSONResponse(error_body(message, kind, code), status_code=status, headers=headers)
+    """A response carrying OpenAI's error object (the server's own, openai_api.ApiError)."""
+    return JSONResponse(ApiError(status, message, code=code, kind=kind).body(), status_code=status, headers=headers)
 
 
 def prompt_text(path: str, body: dict) -> str:

@@ -340,7 +340,7 @@ def main(args) -> int:
     except (ValueError, FileNotFoundError, backends.BackendUnavailable) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    _set_threads(args.threads, args.blas_threads)
+    _limit_blas(args.blas_threads)
     server = Server(served, config, backend, max_queue=args.max_queue, max_n=args.max_n, admin_key=args.admin_key)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -352,14 +352,10 @@ def main(args) -> int:
     return 0
 
 
-def _set_threads(threads: int | None, blas_threads: int) -> None:
-    """numba's kernel threads (all the cores unless `threads`), and BLAS's: one by default, as the
-    chapters run, since BLAS threads that spin after a matmul take the cores numba's next kernel
-    needs (a step of the target model ran several times slower beside them)."""
-    import numba
+def _limit_blas(blas_threads: int) -> None:
+    """BLAS's threads: one by default, as the chapters run, since BLAS threads that spin after a
+    matmul take the cores numba's next kernel needs. `infra-lab` fixes OpenBLAS's pool (and
+    numba's, from --threads) before either loads (cli.main); this holds where BLAS loaded first."""
     from threadpoolctl import threadpool_limits
 
-    if threads:  # the pool's size, read when the first parallel kernel starts it (the warm-up's):
-        # numba.set_num_threads would hold for the calling thread only, not the engine loop's
-        numba.config.NUMBA_NUM_THREADS = min(threads, numba.config.NUMBA_NUM_THREADS)
-    threadpool_limits(min(blas_threads, threads or blas_threads), "blas")
+    threadpool_limits(blas_threads, "blas")

@@ -7,7 +7,6 @@ weight's name and shape checked (model.transformer.check_state). Any mismatch is
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from dataclasses import asdict
@@ -15,19 +14,12 @@ from pathlib import Path
 
 import numpy as np
 
+from infra_lab.model.pretrained import sha256_of
 from infra_lab.model.transformer import check_state
 
 
 class RefusedWeights(ValueError):
     """A weights file that must not be served, and why."""
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def read_checked(path: str, sha256: str, config) -> tuple[dict, dict]:
