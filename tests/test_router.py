@@ -276,8 +276,10 @@ def test_admin_needs_the_key_checks_health_and_drains(fleet):
             {workers[0].url, spare.url}
         hold = threading.Thread(target=complete, args=(router.url, "hold"))
         hold.start()
-        until(lambda: sum(w.outstanding for w in state.workers.values()) == 1)
+        # the router counts the request before the worker reads it: wait for the worker
+        until(lambda: any(w.prompts == ["hold"] for w in (workers[0], spare)))
         held = next(w for w in (workers[0], spare) if w.prompts == ["hold"])
+        assert state.workers[held.url].outstanding == 1
         removal = {}
         remover = threading.Thread(target=lambda: removal.update(httpx.request(
             "DELETE", f"{router.url}/admin/workers", params={"url": held.url}, headers=admin, timeout=WAIT_S).json()))
