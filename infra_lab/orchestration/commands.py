@@ -49,6 +49,16 @@ def add_serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--admin-key", help="the key POST /admin/weights demands (none: hot reload is off)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds SIGTERM waits for requests in flight before aborting them")
+    pd = parser.add_argument_group("disaggregated prefill and decode (chapter 06)")
+    pd.add_argument("--kv-role", choices=["prefill", "decode"],
+                    help="prefill: compute prompts and send their K and V; decode: take them and generate")
+    pd.add_argument("--kv-transport", choices=["gloo", "shm"], default="gloo",
+                    help="torch.distributed over gloo (TCP), or shared memory on this machine")
+    pd.add_argument("--kv-rank", type=int, help="gloo: this worker's rank in the deployment")
+    pd.add_argument("--kv-world", type=_positive_int, help="gloo: how many prefill and decode workers in all")
+    pd.add_argument("--kv-master", help="gloo: HOST:PORT of the store rank 0 hosts")
+    pd.add_argument("--kv-timeout", type=float, default=30.0,
+                    help="seconds a transfer may take, sent or awaited, before it fails by name")
 
 
 def add_bench_serve(parser: argparse.ArgumentParser) -> None:
@@ -80,8 +90,12 @@ def add_bench_serve(parser: argparse.ArgumentParser) -> None:
 
 
 def add_route(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--worker", action="append", default=[], required=True, metavar="URL",
+    parser.add_argument("--worker", action="append", default=[], metavar="URL",
                         help="an OpenAI-compatible server (repeat for each)")
+    parser.add_argument("--prefill", action="append", default=[], metavar="URL",
+                        help="disaggregated: a prefill worker (serve --kv-role prefill); repeat for each")
+    parser.add_argument("--decode", action="append", default=[], metavar="URL",
+                        help="disaggregated: a decode worker (serve --kv-role decode); repeat for each")
     parser.add_argument("--policy", default="cache-aware", choices=["round-robin", "least-outstanding", "cache-aware"])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100, help="port (0: a free one, printed at start)")

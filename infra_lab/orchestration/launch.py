@@ -66,6 +66,59 @@ def start(command: str, args: list[str], timeout_s: float = 120.0, env: dict | N
     """Run `infra-lab COMMAND ARGS... --port 0` and wait until it listens. `threads` caps its
     kernels' CPU threads (numba, BLAS, torch). Raises RuntimeError with its output if it exits
     or stays silent for `timeout_s`."""
+    return begin(command, args, env, threads).wait(timeout_s)
+
+
+def start_together(commands: list[tuple[str, list[str]]], timeout_s: float = 120.0,
+                   threads: int | None = None) -> list[Launched]:
+    """Start several commands at once and wait for all (the workers of a disaggregated deployment
+    wait for each other before they listen); if one fails, the others are stopped."""
+    pending = [begin(command, args, threads=threads) for command, args in commands]
+    started = []
+    try:
+        for each in pending:
+            started.append(each.wait(timeout_s))
+    except RuntimeError:
+        for each in pending:
+            each.launched.kill()
+        raise
+    return started
+
+
+class Starting:
+    """A command started, not yet listening: `wait` for its address."""
+
+    def __init__(self, command: str, args: list[str], process: subprocess.Popen):
+        self.command, self.args, self.process = command, args, process
+        self.lines: deque[str] = deque(maxlen=400)
+        self.found: list[str] = []
+        self.listening = threading.Event()
+        self.launched = Launched(process, "", self.lines)
+        threading.Thread(target=self._read, daemon=True, name=f"infra-lab-{command}-output").start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.lines.append(line)
+            if not self.found and line.startswith(ANNOUNCE):
+                self.found.append(line[len(ANNOUNCE):].strip())
+                self.listening.set()
+        self.listening.set()  # the process closed its output: it has exited
+
+    def wait(self, timeout_s: float = 120.0) -> Launched:
+        deadline = time.monotonic() + timeout_s
+        self.listening.wait(timeout_s)
+        if not self.found:
+            if self.process.poll() is None and time.monotonic() >= deadline:
+                self.process.kill()
+            self.process.wait()
+            raise RuntimeError(f"`infra-lab {self.command} {' '.join(self.args)}` did not start "
+                               f"(exit {self.process.returncode}):\n" + "".join(self.lines)[-4000:])
+        self.launched.url = self.found[0]
+        return self.launched
+
+
+def begin(command: str, args: list[str], env: dict | None = None, threads: int | None = None) -> Starting:
+    """Run `infra-lab COMMAND ARGS... --port 0` without waiting for it."""
     if command not in ("serve", "route"):
         raise ValueError(f"command must be 'serve' or 'route'; got {command!r}")
     environment = dict(os.environ if env is None else env)
@@ -75,28 +128,7 @@ def start(command: str, args: list[str], timeout_s: float = 120.0, env: dict | N
             environment[name] = str(threads)
     process = subprocess.Popen([sys.executable, "-m", "infra_lab.cli", command, *args, "--port", "0"],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment)
-    lines: deque[str] = deque(maxlen=400)
-    found: list[str] = []
-    listening = threading.Event()
-
-    def read() -> None:
-        for line in process.stdout:
-            lines.append(line)
-            if not found and line.startswith(ANNOUNCE):
-                found.append(line[len(ANNOUNCE):].strip())
-                listening.set()
-        listening.set()  # the process closed its output: it has exited
-
-    threading.Thread(target=read, daemon=True, name=f"infra-lab-{command}-output").start()
-    deadline = time.monotonic() + timeout_s
-    listening.wait(timeout_s)
-    if not found:
-        if process.poll() is None and time.monotonic() >= deadline:
-            process.kill()
-        process.wait()
-        raise RuntimeError(f"`infra-lab {command} {' '.join(args)}` did not start (exit {process.returncode}):\n"
-                           + "".join(lines)[-4000:])
-    return Launched(process, found[0], lines)
+    return Starting(command, args, process)
 
 
 class InThread:

@@ -362,9 +362,10 @@ def create_app(worker_urls: list[str], policy: Policy, tenants: Tenants | None =
 
 
 def _relay(router: Router, worker: Worker, text: str, tenant: str, response: httpx.Response, rest,
-           first: bytes | None) -> Response:
+           first: bytes | None, error_event: bool = False) -> Response:
     """Stream `response` to the client as it comes; when it ends (or the client leaves), close
-    the upstream stream and hand the worker's slot back."""
+    the upstream stream and hand the worker's slot back. With `error_event`, a stream that breaks
+    mid-way ends with an SSE error event naming the worker (else the client's connection breaks)."""
     done = []
 
     async def close(ok: bool) -> None:
@@ -382,9 +383,14 @@ def _relay(router: Router, worker: Worker, text: str, tenant: str, response: htt
         try:
             async for chunk in rest:
                 yield chunk
-        except httpx.HTTPError:
+        except httpx.HTTPError as exc:
             await close(ok=False)
-            raise
+            if not (error_event and response.headers.get("content-type", "").startswith("text/event-stream")):
+                raise
+            failure = ApiError(502, f"worker {worker.url} failed mid-stream ({type(exc).__name__})",
+                               code="worker_failed", kind="server_error")
+            yield f"\n\ndata: {json.dumps(failure.body())}\n\n".encode()
+            return
         await close(ok=True)
 
     headers = {k: v for k, v in response.headers.items() if k.lower() in PASSED_HEADERS}
@@ -434,6 +440,9 @@ def main(args) -> int:
 
     from infra_lab.orchestration import launch
 
+    if bool(args.worker) == bool(args.prefill or args.decode) or bool(args.prefill) != bool(args.decode):
+        print("infra-lab route: give --worker URL..., or --prefill URL... and --decode URL... (disaggregated)")
+        return 2
     try:
         tenants = Tenants.load(args.tenants) if args.tenants else Tenants()
         settings = RouterSettings(worker_slots=args.worker_slots, health_interval_s=args.health_interval,
@@ -447,8 +456,13 @@ def main(args) -> int:
     sock.listen(2048)  # connections wait in the backlog from here, so announcing early is safe
     host, port = sock.getsockname()[:2]
     try:
-        app = create_app(args.worker, policy_from_args(args), tenants, settings,
-                         on_started=lambda: launch.announce(host, port))
+        if args.prefill:
+            from infra_lab.orchestration.pd_router import create_pd_app
+
+            app = create_pd_app(args.prefill, args.decode, settings, on_started=lambda: launch.announce(host, port))
+        else:
+            app = create_app(args.worker, policy_from_args(args), tenants, settings,
+                             on_started=lambda: launch.announce(host, port))
     except ValueError as exc:
         print(f"infra-lab route: {exc}")
         return 2

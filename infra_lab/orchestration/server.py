@@ -72,14 +72,17 @@ class Server:
     """The engine loop, the model it serves and the server's metrics; `app()` is the FastAPI app."""
 
     def __init__(self, served, config, backend=None, max_queue: int = 256, max_n: int = 16,
-                 admin_key: str | None = None, warm_up: bool = True):
-        self.served, self.max_n, self.admin_key = served, max_n, admin_key
+                 admin_key: str | None = None, warm_up: bool = True, kv=None):
+        """`kv`: a pd_worker.KVRole, for a prefill or decode worker of a disaggregated deployment."""
+        self.served, self.max_n, self.admin_key, self.kv = served, max_n, admin_key, kv
         self.metrics = ServerMetrics(served.name, config.num_blocks)
         detokenize = None if served.byte_tokens else served.decode
         engine = Engine(served.model, config, backend, detokenize=detokenize)
         self.loop = EngineLoop(engine, max_waiting=max_queue, on_step=self.metrics.on_step,
                                on_abort=self.metrics.abort_steps.observe)
         self.metrics.watch(self.loop)
+        if kv is not None:
+            kv.attach(self)
         self.reloading = threading.Lock()
         if warm_up:  # the kernels compile on their first call, not on a client's
             from infra_lab.serving.request import SamplingParams
@@ -91,8 +94,13 @@ class Server:
     async def generate(self, request: Request, chat: bool) -> Response:
         arrived = time.perf_counter()
         try:
-            parsed = openai_api.parse(await _json_body(request), self.served, chat, self.max_n)
-            handle = self._submit(parsed)
+            body = await _json_body(request)
+            transfer = body.pop("kv_transfer_params", None) if isinstance(body, dict) else None
+            parsed = openai_api.parse(body, self.served, chat, self.max_n)
+            if transfer is not None and self.kv is None:
+                raise ApiError(400, "kv_transfer_params need a decode worker (--kv-role decode)",
+                               param="kv_transfer_params")
+            handle = await self.kv.resume(transfer, parsed) if transfer is not None else self._submit(parsed)
         except ApiError as error:
             self.metrics.outcome("rejected" if error.status == 429 else "invalid")
             return error_response(error)
@@ -103,9 +111,9 @@ class Server:
                                      media_type="text/event-stream")
         return await self._whole(request, parsed, handle, request_id, choices, arrived)
 
-    def _submit(self, parsed: Parsed):
+    def _submit(self, parsed: Parsed, hand_off: bool = False):
         try:
-            return self.loop.submit(parsed.prompt, parsed.params)
+            return self.loop.submit(parsed.prompt, parsed.params, hand_off=hand_off)
         except Overloaded as full:
             raise ApiError(429, str(full), code="rate_limit_exceeded", kind="rate_limit_error",
                            headers={"Retry-After": str(max(1, math.ceil(full.retry_after_s)))}) from None
@@ -300,6 +308,8 @@ class Server:
         async def admin_weights(request: Request):
             return await self.reload(request)
 
+        if self.kv is not None:
+            self.kv.routes(app)
         return app
 
 
@@ -328,6 +338,7 @@ def main(args) -> int:
     import uvicorn
 
     from infra_lab import backend as backends
+    from infra_lab.orchestration import pd_worker
     from infra_lab.orchestration import served as served_models
     from infra_lab.serving.config import EngineConfig
 
@@ -337,11 +348,13 @@ def main(args) -> int:
                               num_blocks=args.num_blocks, block_size=args.block_size,
                               prefix_cache=None if args.prefix_cache == "none" else args.prefix_cache)
         backend = backends.resolve(args.backend) if args.backend else backends.current()
+        kv = pd_worker.from_args(args)  # a gloo link waits here for every rank of the deployment
     except (ValueError, FileNotFoundError, backends.BackendUnavailable) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     _limit_blas(args.blas_threads)
-    server = Server(served, config, backend, max_queue=args.max_queue, max_n=args.max_n, admin_key=args.admin_key)
+    server = Server(served, config, backend, max_queue=args.max_queue, max_n=args.max_n, admin_key=args.admin_key,
+                    kv=kv)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind((args.host, args.port))

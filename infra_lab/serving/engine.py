@@ -279,16 +279,23 @@ class Engine:
                              "prompt yet; export it once its prompt is computed")
         kv = self.blocks.pool.export_sequence(request.seq) if request.seq is not None and request.num_computed \
             else None
+        state = self.request_state(request_id) | {"num_computed": len(kv.tokens) if kv else 0}
+        self._end(request, "exported")
+        return state, kv
+
+    def request_state(self, request_id: int) -> dict:
+        """A request as plain data (what export_request sends): prompt, output, parameters, its
+        generator's state, weight versions, log-probabilities; an ended one also its finish reason."""
+        request = self._get(request_id)
         p = request.params
         state = {
             "model": asdict(self.runner.config), "prompt": list(request.prompt), "output": list(request.output),
             "params": asdict(p) | {"stop_tokens": list(p.stop_tokens), "stop": list(p.stop)},
-            "rng": request.rng.bit_generator.state, "num_computed": len(kv.tokens) if kv else 0,
+            "rng": request.rng.bit_generator.state, "num_computed": 0,
             "versions": list(request.versions), "logprobs": list(request.logprobs),
             "top_logprobs": [[list(pair) for pair in top] for top in request.top_logprobs],
             "preemptions": request.preemptions, "cached_tokens": request.cached_tokens, "index": request.index}
-        self._end(request, "exported")
-        return state, kv
+        return state | ({"finish_reason": request.finish_reason} if request.is_done else {})
 
     def import_request(self, state: dict, kv: SequenceKV | None = None, request_id: int | None = None) -> int:
         """Go on with a request another engine exported (export_request); returns its id here.
@@ -298,6 +305,8 @@ class Engine:
         if not isinstance(state, dict) or not {"model", "prompt", "output", "params", "rng"} <= set(state):
             raise ValueError("an imported state is the dict export_request made; got "
                              f"{type(state).__name__} with keys {sorted(state) if isinstance(state, dict) else '-'}")
+        if state.get("finish_reason") is not None:
+            raise ValueError(f"the request has ended ({state['finish_reason']}); there is nothing to go on with")
         mine = asdict(self.runner.config)
         if state["model"] != mine:
             differ = {k: (state["model"].get(k), mine[k]) for k in mine if state["model"].get(k) != mine[k]}

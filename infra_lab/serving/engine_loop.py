@@ -71,6 +71,8 @@ class RequestHandle:
         self._wakers: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
         self._engine_id: int | None = None  # set by the loop's thread when the engine takes it
         self.cached_tokens = 0  # prompt tokens a prefix cache served, set when the request ends
+        self.hand_off = False  # leaves the engine after its first token (submit's hand_off)
+        self.moved: tuple | None = None  # then: (its state, its K and V or None), before its last event
 
     @property
     def finish_reason(self) -> str | None:
@@ -220,13 +222,19 @@ class EngineLoop:
 
     # ---- any thread ------------------------------------------------------------------------------
 
-    def submit(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> RequestHandle:
+    def submit(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+               hand_off: bool = False) -> RequestHandle:
         """Queue a prompt (text, bytes or token ids); returns its handle at once. A prompt that can
         never run raises ValueError naming why, a taken id ValueError, a full queue Overloaded,
-        a stopped loop LoopStopped; none of them changes anything."""
+        a stopped loop LoopStopped; none of them changes anything. With `hand_off`, the request
+        leaves the engine in the step that makes its first token (a prefill worker's job, chapter
+        06): `handle.moved` holds (its state, its K and V) and it ends with reason "exported", or,
+        if that token ended it, (its state with its finish reason, None) and it ends as it did."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams; got {type(params).__name__}")
+        if hand_off and params.n != 1:
+            raise ValueError(f"a request handed off after its first token moves one sample; got n={params.n}")
         tokens = self.engine._tokens(prompt)  # reads the model's vocabulary only: safe beside a step
         with self._wake:
             self._check_running()
@@ -239,6 +247,7 @@ class EngineLoop:
             if self._waiting >= self.max_waiting:
                 raise Overloaded(self._waiting, self.max_waiting, self._retry_after_s(params))
             handle = RequestHandle(request_id, params.n)
+            handle.hand_off = hand_off
             self._handles[request_id] = handle
             self._inbox.append(("add", handle, tokens, params))
             self._waiting += 1
@@ -285,9 +294,12 @@ class EngineLoop:
         return self._between_steps("export", request_id, timeout_s=timeout_s)
 
     def import_request(self, state: dict, kv=None, request_id: str | None = None,
-                       timeout_s: float | None = None) -> RequestHandle:
+                       timeout_s: float | None = None, replay: bool = False) -> RequestHandle:
         """Go on with a request another engine exported (Engine.import_request); returns its handle,
-        which streams the tokens made here. Raises as Engine.import_request does, changing nothing."""
+        which streams the tokens made here, and with `replay` first those it brought (a decode
+        worker streams the prefill worker's first token). A state that has ended (a hand-off
+        whose first token finished it) only replays. Raises as Engine.import_request does,
+        changing nothing."""
         with self._wake:
             self._check_running()
             request_id = self._new_id() if request_id is None else request_id
@@ -295,6 +307,14 @@ class EngineLoop:
                 raise ValueError(f"a request id must be a new, non-empty string; got {request_id!r}")
             handle = RequestHandle(request_id)
             self._handles[request_id] = handle
+        brought = _brought_events(state) if replay else []
+        if replay and isinstance(state, dict) and state.get("finish_reason") is not None:
+            last = brought.pop() if brought else TokenEvent(None, None, 0, None)
+            handle._push(brought + [last._replace(finish_reason=state["finish_reason"])])
+            with self._wake:
+                self._ended.append(request_id)
+            return handle
+        handle._push(brought)
         try:
             self._between_steps("import", handle, state, kv, timeout_s=timeout_s)
         except BaseException:
@@ -494,9 +514,29 @@ class EngineLoop:
                 out.top_logprobs))
         groups = engine.groups
         for engine_id, produced in events.items():
-            if (all(request.is_done for request in groups[engine_id]) if engine_id in groups
-                    else produced[-1].finish_reason is not None):
+            ended = (all(request.is_done for request in groups[engine_id]) if engine_id in groups
+                     else produced[-1].finish_reason is not None)
+            handle = self._live[engine_id]
+            if handle.hand_off:  # a prefill worker's request leaves with its first token
+                handle.moved = (engine.request_state(engine_id), None) if ended else None
+                if not ended:
+                    handle._push(produced)
+                    handle.moved = engine.export_request(engine_id)
+                    produced = self._endings(handle, "exported")
+                self._end(engine_id, produced)
+            elif ended:
                 self._end(engine_id, produced)
             else:
-                self._live[engine_id]._push(produced)
+                handle._push(produced)
         self._recount()
+
+
+def _brought_events(state: dict) -> list[TokenEvent]:
+    """The events of the tokens an exported request made before it moved."""
+    if not isinstance(state, dict) or not state.get("output"):
+        return []
+    output, versions = state["output"], state.get("versions") or [0] * len(state["output"])
+    logprobs = state.get("logprobs") or [None] * len(output)
+    tops = state.get("top_logprobs") or [None] * len(output)
+    return [TokenEvent(int(t), lp, int(v), None, 0, None if top is None else tuple(tuple(p) for p in top))
+            for t, lp, v, top in zip(output, logprobs, versions, tops)]
