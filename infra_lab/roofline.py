@@ -110,6 +110,21 @@ PRESETS: dict[str, ModelConfig] = {config.name: config for config in (
                 source="config.json of mistralai/Mixtral-8x7B-v0.1 on Hugging Face; Jiang et al., "
                        "Mixtral of Experts, 2024 (8 experts, 2 per token)",
                 n_experts=8, experts_per_token=2),
+    ModelConfig("llama-2-70b", n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, d_ff=28672,
+                vocab=32000, context=4096,
+                source="config.json of meta-llama/Llama-2-70b-hf on Hugging Face"),
+    # OPT's MLP is two d x 4d matrices with ReLU; the cost model prices a SwiGLU MLP of three d x d_ff
+    # matrices, so d_ff = 8d/3 (rounded) gives the same parameters and FLOPs per token (3 d d_ff = 8 d^2)
+    ModelConfig("opt-13b", n_layers=40, d_model=5120, n_heads=40, n_kv_heads=40, d_ff=13653,
+                vocab=50272, context=2048, tied_embeddings=True,
+                source="config.json of facebook/opt-13b on Hugging Face (hidden_size 5120, ffn_dim 20480, 40 "
+                       "layers, 40 heads); its 2-matrix MLP priced as SwiGLU with d_ff = 8 * 5120 / 3 = 13653, "
+                       "so parameters and FLOPs match; learned position embeddings (2048 x 5120) left out"),
+    ModelConfig("opt-66b", n_layers=64, d_model=9216, n_heads=72, n_kv_heads=72, d_ff=24576,
+                vocab=50272, context=2048, tied_embeddings=True,
+                source="config.json of facebook/opt-66b on Hugging Face (hidden_size 9216, ffn_dim 36864, 64 "
+                       "layers, 72 heads); its 2-matrix MLP priced as SwiGLU with d_ff = 8 * 9216 / 3 = 24576, "
+                       "so parameters and FLOPs match; learned position embeddings (2048 x 9216) left out"),
     ModelConfig("smollm2-135m", n_layers=30, d_model=576, n_heads=9, n_kv_heads=3, d_ff=1536,
                 vocab=49152, context=8192, rope_theta=100000.0, tied_embeddings=True,
                 source="config.json of HuggingFaceTB/SmolLM2-135M-Instruct on Hugging Face (the "
