@@ -15,8 +15,8 @@ def line(capsys, name, candidate):
 
 def test_every_check_is_passed_by_an_independent_solution_under_nbval(root):
     """Each check's reference passing its own cases would compare the package with itself. What
-    holds a check's cases instead: every chapter graded whole gives solutions/ 24/24 on every
-    check (test_grade_chapters.py), and every check cell keeps "PASS name 24/24" as its expected
+    holds a check's cases instead: every chapter graded whole gives solutions/ full marks on every
+    check (test_grade_chapters.py), and every check cell keeps "PASS name 24/24" (or its count) as its expected
     output for the learner's nbval (test_learner_nbval.py), for a solution written apart from
     the package (its exercise cells import nothing from infra_lab.grading)."""
     from infra_lab.grading import notebooks
@@ -30,7 +30,7 @@ def test_every_check_is_passed_by_an_independent_solution_under_nbval(root):
                 assert "infra_lab.grading" not in cell.source and "from infra_lab import grading" \
                     not in cell.source, (path.name, cell.source[:80])
     assert {name: expected.get(name) for name in checks.known_checks()} == \
-        {name: f"PASS {name} 24/24\n" for name in checks.known_checks()}
+        {name: f"PASS {name} {checks.cases(name)}/{checks.cases(name)}\n" for name in checks.known_checks()}
 
 
 def test_a_wrong_answer_fails_with_its_first_case(capsys):

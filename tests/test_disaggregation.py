@@ -126,6 +126,9 @@ def test_a_hundred_prompts_through_the_pair_get_one_engines_tokens(over_gloo, ta
             SamplingParams(max_tokens=12)
         assert tokens == alone(target, list(text.encode()), params, "numba"), text
     c = target.config
+    fallbacks = metric(over_gloo.url, "pd_requests_total", outcome="fallback")
+    assert fallbacks == 0, ("requests went to the prefill worker whole", over_gloo.front.output()[-2000:],
+                            over_gloo.decode[0].alive, over_gloo.decode[0].output()[-2000:])
     sent = metric(over_gloo.decode[0].url, "infra_lab_kv_transfer_bytes_total") - before
     assert sent == sum(2 * c.n_layers * c.n_kv_heads * c.head_dim * len(t.encode()) * 4 for t in texts)
     for worker in over_gloo.prefill + over_gloo.decode:
@@ -202,3 +205,18 @@ def test_a_decode_worker_killed_mid_run_leaves_no_hang_and_no_held_block():
         assert after.choices[0].finish_reason == "length"  # served whole by the prefill worker
         assert metric(deployment.url, "pd_requests_total", outcome="fallback") >= 1
         assert metric(deployment.prefill[0].url, "infra_lab_kv_blocks_used") == 0
+
+
+@pytest.mark.slow
+def test_the_interference_harness_sends_exact_bytes_and_leaves_both_pools_free(target):
+    from infra_lab.orchestration import interference
+
+    mix = interference.Mix(decoders=3, decode_tokens=6, long_prompts=2, long_every_s=0.05, long_tokens=3)
+    run, books = interference.disaggregated(mix)
+    c = target.config
+    assert books["prefill"]["kv_bytes"] == sum(2 * c.n_layers * c.n_kv_heads * c.head_dim * len(r.prompt) * 4
+                                               for r in mix.requests())
+    for side in ("prefill", "decode"):
+        assert books[side]["free_blocks"] == books[side]["blocks"]
+    assert sorted(len(t) for t in run.token_times_s) == sorted(r.max_tokens - 1 for r in mix.requests())
+    assert len(run.itl_s()) == 3 * 4  # the decoding requests' gaps between the tokens made on the decode side

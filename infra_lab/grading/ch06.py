@@ -396,3 +396,5 @@ register(Check("ch06.cache_aware_choice", cache_aware_choice, Schedule(_CHOICE_K
                drive=drive_choice, rtol=0, atol=0))
 register(Check("ch06.YourPolicy", CacheAware, Schedule(_POLICY_KINDS, _policy_case), drive=drive_policy, rtol=0,
                atol=0))
+
+from infra_lab.grading import ch06_part2  # noqa: E402,F401: the second part's exercises register there

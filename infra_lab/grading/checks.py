@@ -190,6 +190,11 @@ def _run(spec: Check, candidate: object) -> CheckResult:
     return CheckResult(spec.name, passed, spec.n_cases, first_failure)
 
 
+def cases(name: str) -> int:
+    """How many cases the check for exercise `name` runs (24 unless a check says fewer)."""
+    return _lookup(name).n_cases
+
+
 def check(name: str, candidate: object) -> None:
     """Check `candidate` against the reference for exercise `name` and print one line."""
     result = _run(_lookup(name), candidate)

@@ -2,12 +2,12 @@
 `infra-lab serve` processes behind `infra-lab route`, on this machine.
 
 Every `interval_s` the controller scrapes each worker's /metrics into a Snapshot (waiting and
-running requests, KV blocks in use, TTFTs since the last scrape from the histogram's counts) and
-asks the autoscaler how many replicas it wants. Scaling up starts a worker (its cold start is the
-real one: a process, the model's weights, the kernels' first compilation) and adds it to the
-router once it listens; scaling down drains the newest worker through the router (it takes no new
-requests and finishes those it has) and then stops it. One action per interval, as the
-autoscaler's limits say. Every action is logged with its time.
+running requests, KV blocks in use) and the router's for the requests that arrived since the
+last scrape (per second), and asks the autoscaler how many replicas it wants. Scaling up starts
+a worker (its cold start is the real one: a process, the model's weights, the kernels' first
+compilation) and adds it to the router once it listens; scaling down drains the newest worker
+through the router (it takes no new requests and finishes those it has) and then stops it. One
+action per interval, as the autoscaler's limits say. Every action is logged with its time.
 """
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ class LiveAutoscaler:
         self._stop = threading.Event()
         self._started = time.monotonic()
         self._thread: threading.Thread | None = None
+        self._received = (0.0, 0.0)  # (when, requests the router had received then)
 
     def now(self) -> float:
         return time.monotonic() - self._started
@@ -76,8 +77,14 @@ class LiveAutoscaler:
                     elif sample.name == "infra_lab_kv_blocks_total":
                         total += sample.value
         starting = sum(1 for r in self.replicas if r.worker is None)
-        return Snapshot(self.now(), len(ready), starting, int(waiting), int(running),
-                        min(1.0, used / total) if total else 0.0)
+        received = sum(sample.value for family in text_string_to_metric_families(
+            httpx.get(self.router_url + "/metrics", timeout=30).text) for sample in family.samples
+            if sample.name == "router_tenant_requests_total")
+        now = self.now()
+        rate = (received - self._received[1]) / (now - self._received[0]) if now > self._received[0] else 0.0
+        self._received = (now, received)
+        return Snapshot(now, len(ready), starting, int(waiting), int(running),
+                        min(1.0, used / total) if total else 0.0, arrivals_per_s=max(rate, 0.0))
 
     def tick(self) -> None:
         """Bring up replicas that finished starting; then one decision and at most one action."""

@@ -135,7 +135,7 @@ def add_all(commands) -> None:
                                             "least outstanding or cache-aware routing, tenants with quotas "
                                             "and priorities, health checks.")
     add_route(route)
-    route.set_defaults(run=lambda args: _run("router", args))
+    route.set_defaults(run=lambda args: _run("route_command", args))
 
 
 def _run(module: str, args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ the field. Parameters are OpenAI's (`max_tokens`, `temperature`, `top_p`, `n`, `
 from __future__ import annotations
 
 import itertools
+import json
 import secrets
 import time
 from dataclasses import dataclass
@@ -209,3 +210,12 @@ def logprob_entries(parsed: Parsed, served, tokens: list[int], logprobs: list[fl
     return {"tokens": texts, "token_logprobs": logprobs,
             "top_logprobs": [{served.token_text(t): v for t, v in top} for top in tops],
             "text_offset": [0, *itertools.accumulate(len(text) for text in texts)][:-1]}
+
+
+async def json_body(request):
+    """A request's body as decoded JSON (a Starlette Request), or ApiError 400."""
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ApiError(400, f"the body is not valid JSON: {error}") from None

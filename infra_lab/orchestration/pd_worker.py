@@ -84,9 +84,8 @@ class KVRole:
 
     async def prefill(self, request: Request) -> dict:
         from infra_lab.orchestration import openai_api
-        from infra_lab.orchestration.server import _json_body
 
-        body = await _json_body(request)
+        body = await openai_api.json_body(request)
         params = body.pop("kv_transfer_params", None) if isinstance(body, dict) else None
         transfer_id, decode_rank = _transfer_params(params, need_rank=self.transport == "gloo")
         chat = isinstance(body, dict) and "messages" in body

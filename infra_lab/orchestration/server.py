@@ -94,7 +94,7 @@ class Server:
     async def generate(self, request: Request, chat: bool) -> Response:
         arrived = time.perf_counter()
         try:
-            body = await _json_body(request)
+            body = await openai_api.json_body(request)
             transfer = body.pop("kv_transfer_params", None) if isinstance(body, dict) else None
             parsed = openai_api.parse(body, self.served, chat, self.max_n)
             if transfer is not None and self.kv is None:
@@ -236,7 +236,7 @@ class Server:
             return error_response(ApiError(401, "the admin endpoints need 'Authorization: Bearer <admin key>'",
                                            kind="authentication_error", code="invalid_api_key"))
         try:
-            body = await _json_body(request)
+            body = await openai_api.json_body(request)
             if not isinstance(body, dict) or not isinstance(body.get("path"), str):
                 raise ApiError(400, "the body must be {'path': str, 'sha256': str, 'version': int (optional), "
                                     "'in_flight': 'continue' | 'recompute' (optional)}", param="path")
@@ -311,14 +311,6 @@ class Server:
         if self.kv is not None:
             self.kv.routes(app)
         return app
-
-
-async def _json_body(request: Request):
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ApiError(400, f"the body is not valid JSON: {error}") from None
 
 
 def error_response(error: ApiError) -> JSONResponse:

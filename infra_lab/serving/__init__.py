@@ -16,4 +16,10 @@ a roofline step-time model) and `dynamic_batching` (the published loop, kept as 
 The engine as a service (chapters 06 and 11 stand on it): `engine_loop` steps an engine from a
 thread of its own while any thread or asyncio task submits, streams, aborts, updates weights and
 moves requests.
+
+Fleets (chapter 06, part 2): `pd_fleet` and `pd_fleet_loop` simulate colocated and disaggregated
+deployments of simulated engines on virtual clocks, `prefill_first` the 2023 vLLM schedule,
+`goodput` finds the highest rate within the objectives, `placement` DistServe's search, `links`
+the interconnects a KV transfer crosses; `autoscaling` holds the autoscalers, `bursty` the 5×
+trace, `autoscaling_replay` a fleet that grows and shrinks, `autoscaling_study` the comparison.
 """
