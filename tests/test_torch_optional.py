@@ -18,6 +18,8 @@ TORCH_FACES = {"infra_lab.model.torch_model", "infra_lab.model.train", "infra_la
                *(f"infra_lab.parallel.{name}" for name in (
                    "comm", "units", "ddp", "zero", "zero3", "runs", "tensor", "pipeline", "pipeline_runs",
                    "checkpointing")),
+               # chapter 11's trainer, its losses and the loop that runs them are torch code
+               *(f"infra_lab.rl.{name}" for name in ("losses", "trainer", "loop", "layouts", "warm_start")),
                "infra_lab.diagrams.tensor_parallel",  # draws what parallel.tensor's shards compute
                "infra_lab.grading.ch10_ranks"}  # and every *_triton kernel
 

@@ -405,16 +405,22 @@ class Engine:
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams] | None = None) -> list[list[int]]:
         """Serve every prompt together; returns each one's output tokens, in order (with n > 1,
         its first sample's: `group(id)` holds them all)."""
+        ids = self.add_requests(prompts, params)
+        while any(not self.requests[i].is_done for i in ids):
+            self._advance()
+        return [self.requests[i].output for i in ids]
+
+    def add_requests(self, prompts: list, params: SamplingParams | list[SamplingParams] | None = None) -> list[int]:
+        """Queue every prompt, or none: each is checked (add_request's rules) before any is added."""
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling parameters")
         checked = [(self._tokens(p), q or SamplingParams()) for p, q in zip(prompts, params)]
-        for i, (tokens, q) in enumerate(checked):  # all or nothing: check every prompt before adding one
-            self._check_fits(self._next_id + i, tokens, q)
-        ids = [self.add_request(tokens, q) for tokens, q in checked]
-        while any(not self.requests[i].is_done for i in ids):
-            self._advance()
-        return [self.requests[i].output for i in ids]
+        next_id = self._next_id
+        for tokens, q in checked:
+            self._check_fits(next_id, tokens, q)
+            next_id += q.n
+        return [self.add_request(tokens, q) for tokens, q in checked]
 
     def serve(self, workload: list, params: SamplingParams | None = None) -> list[Request]:
         """Replay a timed workload (traffic.TimedRequest: arrival_s after now, prompt, max_tokens),
