@@ -11,8 +11,8 @@ torch trainer, on this machine. Sections:
   pass@1 over the colocated one (target: within 10%).
 - sync: the weight-sync ladder (infra_lab.rl.sync.measure_ladder) in GB/s against a memory copy.
 - mismatch: the engine's log-probabilities against the trainer's for the same tokens and weights,
-  with the engine serving fp32, fp16 and int8 weights; then training with an int8 engine, without
-  and with truncated importance sampling (C = 2).
+  with the engine serving fp32, fp16, int8 and int4 weights; then training with an int8 engine,
+  and with an int4 one without and with truncated importance sampling (C = 2).
 - losses: Dr. GRPO and REINFORCE with a group baseline beside GRPO, same seed and steps.
 - pass_at_k: pass@k for k = 1 to 16 (16 samples a problem) before and after GRPO.
 - explorer: final pass@1 and wall time over group size x learning rate x KL weight x layout, at
@@ -22,6 +22,7 @@ torch trainer, on this machine. Sections:
 """
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -95,8 +96,19 @@ def learns(sizes: dict) -> dict:
             "met": sum(met), "passed": all(met) and len(met) == 3}
 
 
+def _learnt(sections: dict, sizes: dict) -> dict:
+    """The learns section's runs: this run's, or the results file's (seeds as strings there), or new ones."""
+    if "learns" in sections:
+        return sections["learns"]["runs"]
+    if RESULTS.is_file() and sizes is not QUICK:
+        stored = json.loads(RESULTS.read_text()).get("sections", {}).get("learns")
+        if stored:
+            return {int(seed): run for seed, run in stored["runs"].items()}
+    return learns(sizes)["runs"]
+
+
 def layouts_section(sections: dict, sizes: dict) -> dict:
-    colocated = sections.get("learns", {}).get("runs") or learns(sizes)["runs"]
+    colocated = _learnt(sections, sizes)
     disaggregated = {seed: _summary(_run("disaggregated", steps=sizes["steps"], eval_every=sizes["eval_every"],
                                          seed=seed)) for seed in range(sizes["seeds"])}
     ratios = [disaggregated[s]["final_pass"] / colocated[s]["final_pass"] for s in disaggregated]
@@ -140,9 +152,9 @@ def mismatch(sizes: dict) -> dict:
                          "truncated_at_c": float((ratio > TIS_C).mean()), "histogram": np.histogram(
                              diff, bins=40)[0].tolist(), "edges": np.histogram(diff, bins=40)[1].tolist()}
     runs = {}
-    for name, c in (("int8", None), ("int8 + TIS", TIS_C)):
+    for name, weights, c in (("int8", "int8", None), ("int4", "int4", None), ("int4 + TIS", "int4", TIS_C)):
         history = _run("colocated", steps=sizes["mismatch_steps"], eval_every=sizes["eval_every"],
-                       engine_weights="int8", truncate_c=c)
+                       engine_weights=weights, truncate_c=c)
         runs[name] = {"evals": history.evals, "final_pass": history.evals[-1][1],
                       "mismatch_abs_mean": [s["mismatch_abs_mean"] for s in history.steps],
                       "tis_truncated_fraction": [s["tis_truncated_fraction"] for s in history.steps]}
@@ -150,7 +162,7 @@ def mismatch(sizes: dict) -> dict:
 
 
 def losses(sections: dict, sizes: dict) -> dict:
-    runs = {"grpo": sections.get("learns", {}).get("runs", {}).get(0)}
+    runs = {"grpo": _learnt(sections, sizes).get(0)}
     for loss in ("grpo", "dr_grpo", "reinforce"):
         if runs.get(loss) is None:
             kl = 0.0 if loss != "grpo" else 0.04

@@ -44,6 +44,13 @@ ANSWERS: dict[str, tuple[str, ...]] = {
     "ch10.zero2_step": ("infra_lab.parallel.ring.reduce_scatter",),
     "ch10.parallel_linear": ("infra_lab.parallel.tensor.shard_columns", "infra_lab.parallel.tensor.shard_rows"),
     "ch10.one_f_one_b": ("infra_lab.parallel.pipeline.schedule",),
+    "ch11.group_advantages": ("infra_lab.rl.losses.group_advantages", "infra_lab.rl.losses.LossConfig"),
+    "ch11.grpo_loss": ("infra_lab.rl.losses.policy_loss", "infra_lab.rl.losses.k3_kl"),
+    "ch11.BucketSync": ("infra_lab.rl.sync.plan", "infra_lab.rl.sync.pack", "infra_lab.rl.sync.unpack",
+                        "infra_lab.rl.sync.Bucketed", "infra_lab.rl.sync.Layout"),
+    "ch11.tis_weights": ("infra_lab.rl.losses.policy_loss",),
+    "ch11.rl_loss": ("infra_lab.rl.losses.policy_loss", "infra_lab.rl.losses.group_advantages",
+                     "infra_lab.rl.losses.LossConfig"),
 }
 
 

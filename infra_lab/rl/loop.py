@@ -26,7 +26,7 @@ from infra_lab.rl.losses import LossConfig
 from infra_lab.serving.engine import Engine
 
 LOSSES = ("grpo", "dr_grpo", "reinforce")
-ENGINE_WEIGHTS = ("fp32", "fp16", "int8")  # what the rollout engine serves: the trainer is always fp32
+ENGINE_WEIGHTS = ("fp32", "fp16", "int8", "int4")  # what the rollout engine serves: the trainer is always fp32
 
 
 @dataclass(frozen=True)
@@ -113,14 +113,16 @@ class Timeline:
 
 def serving_model(state: dict, version: int, start: Transformer, engine_weights: str) -> Transformer:
     """The model the rollout engine serves for trainer weights `state`: the same floats (fp32), or
-    rounded to fp16 and back (fp16 storage), or chapter 08's round-to-nearest int8 (LM head too)."""
+    rounded to fp16 and back (fp16 storage), or chapter 08's round-to-nearest int8 (a scale per
+    output) or int4 (a scale per 32 inputs), the LM head in int8 for both."""
     if engine_weights == "fp16":
         state = {name: np.asarray(value, np.float16).astype(np.float32) for name, value in state.items()}
     model = Transformer(start.config, state, version=version)
-    if engine_weights == "int8":
+    if engine_weights in ("int8", "int4"):
         from infra_lab.model.quantized import quantize_model
 
-        model = quantize_model(model, "rtn", 8, head_bits=8)
+        bits, group = (8, None) if engine_weights == "int8" else (4, 32)
+        model = quantize_model(model, "rtn", bits, group, head_bits=8)
         model.version = version
     return model
 
