@@ -34,7 +34,7 @@ from engine_core import run_sections, section_parser  # noqa: E402
 RESULTS = Path(__file__).parent / "results" / "rl.json"
 SECTIONS = ("warm_start", "learns", "layouts", "sync", "mismatch", "losses", "pass_at_k", "explorer")
 FULL = {"steps": 150, "seeds": 3, "eval_every": 10, "cold_steps": 20, "mismatch_steps": 100, "repeats": 9,
-        "explorer_steps": 40, "explorer_eval": 200, "groups": (4, 8, 16), "lrs": (3e-5, 1e-4, 3e-4),
+        "explorer_steps": 30, "explorer_eval": 200, "groups": (4, 8, 16), "lrs": (1e-4, 3e-4),
         "kls": (0.0, 0.04), "layouts": ("colocated", "disaggregated"), "samples": 16}
 QUICK = {"steps": 6, "seeds": 1, "eval_every": 3, "cold_steps": 2, "mismatch_steps": 3, "repeats": 2,
          "explorer_steps": 2, "explorer_eval": 20, "groups": (4,), "lrs": (1e-4,), "kls": (0.04,),
