@@ -210,7 +210,8 @@ def headline(name: str, figures: dict) -> str:
                 f"cold GRPO rewards {max(figures['cold']['reward']):.2f} at most, pass@1 {figures['cold']['evals']}")
     if name == "learns":
         return "; ".join(f"seed {s}: {r['final_pass']:.3f} after {r['wall_s']:.0f} s, 0.85 at "
-                         f"{r['seconds_to_target'] and round(r['seconds_to_target'])} s" for s, r in figures["runs"].items())
+                         f"{r['seconds_to_target'] and round(r['seconds_to_target'])} s"
+                         for s, r in figures["runs"].items())
     if name == "layouts":
         idle = {s: r["idle_share"] for s, r in figures["disaggregated"].items()}
         return f"final pass ratios {[round(r, 3) for r in figures['final_pass_ratio']]}; idle {idle}"

@@ -134,7 +134,7 @@ def test_pass_at_k_estimate_matches_brute_force():
 
 def test_run_config_names_bad_settings():
     for settings, named in (({"group": 1}, "group size"), ({"loss": "ppo"}, "loss must be one of"),
-                            ({"engine_weights": "int4"}, "engine_weights"), ({"steps": 0}, "steps"),
+                            ({"engine_weights": "int2"}, "engine_weights"), ({"steps": 0}, "steps"),
                             ({"kl_weight": -1.0}, "kl_weight")):
         with pytest.raises(ValueError, match=named):
             loop.RunConfig(**settings)

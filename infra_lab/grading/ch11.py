@@ -349,7 +349,8 @@ def _compare_buckets(got: list[np.ndarray], layout, weights: dict, bucket_bytes:
     for slot in layout.slots:
         if not np.array_equal(got[slot.bucket][slot.offset:slot.offset + slot.size], weights[slot.name].reshape(-1)):
             raise WrongBuckets(f"{slot.name} {slot.shape} belongs at bucket {slot.bucket}, floats {slot.offset} to "
-                               f"{slot.offset + slot.size}, flattened in C order; the buckets hold something else there")
+                               f"{slot.offset + slot.size}, flattened in C order; the buckets hold something else "
+                               "there")
 
 
 def _compare_state(state, weights: dict, what: str) -> None:
@@ -517,7 +518,8 @@ def drive_weights(function, old_logp, rollout_logp, mask, c):
         raw = np.exp(np.where(mask, old_logp - rollout_logp, 0.0))
         variants = [(float((raw >= c)[mask].sum() / mask.size),
                      f"count only the {int(mask.sum())} counted tokens, not all {mask.size} positions"),
-                    (float((raw > c)[mask].mean()), "a weight that reaches C counts: exp(old_logp - rollout_logp) >= C")]
+                    (float((raw > c)[mask].mean()),
+                     "a weight that reaches C counts: exp(old_logp - rollout_logp) >= C")]
         hint = next((why for value, why in variants if abs(value - expected_share) > SHARE_ATOL
                      and abs(share - value) <= SHARE_ATOL),
                     "the share of counted tokens whose raw weight exp(old_logp - rollout_logp) is >= C")

@@ -83,12 +83,11 @@ def colocated(start: Transformer, config: RunConfig, progress: bool = False) -> 
 
 def _serve_next(link, model: Transformer, start: Transformer, config: RunConfig) -> Transformer:
     """The model serving the next version: fp32 takes it in place (the engine's weight update);
-    fp16 and int8 rebuild from the floats, as a quantized rollout engine must."""
+    fp16, int8 and int4 rebuild from the floats, as a quantized rollout engine must."""
+    state, version = link.receive()
     if config.engine_weights == "fp32":
-        state, version = link.receive()
         model.load_weights(state, version)
         return model
-    state, version = link.receive()
     return serving_model(state, version, start, config.engine_weights)
 
 

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from infra_lab.model.transformer import Transformer
-from infra_lab.rl import evaluate, rollout as rollouts, task
+from infra_lab.rl import rollout as rollouts, task
 from infra_lab.rl.losses import LossConfig
 from infra_lab.serving.engine import Engine
 
