@@ -35,6 +35,13 @@ def metric(url: str, name: str, **labels) -> float:
     return total
 
 
+def front_health(url: str) -> list[str]:
+    """The front's health and retry lines: why it routed as it did."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return [line for line in text.splitlines() if not line.startswith("#") and "created" not in line
+            and ("healthy" in line or "retries" in line or "pd_requests" in line)]
+
+
 def prompts(n: int) -> list[str]:
     return [TEXTS[i % len(TEXTS)] + "x" * (i % 7) for i in range(n)]
 
@@ -115,6 +122,29 @@ def test_a_first_token_that_ends_the_request_travels_without_k_and_v(target):
 
 # ---- real processes -----------------------------------------------------------------------------------
 
+def idle_then_send(idle_s: float, timeout_s: float) -> float | list:
+    """Rank 0 sends one transfer after the link sat idle `idle_s`, longer than its `timeout_s`;
+    rank 1 returns what arrived."""
+    import time
+
+    import torch.distributed as dist
+
+    link = kv_transfer.GlooLink(dist.get_rank(), 2, None, receive=dist.get_rank() == 1, timeout_s=timeout_s)
+    if dist.get_rank() == 0:
+        time.sleep(idle_s)
+        link.send(1, b'{"transfer_id": "late"}', np.arange(8, dtype=np.uint8), timeout_s)
+        return idle_s
+    header, payload = link.claim("late", idle_s + 30)
+    return [header.decode(), payload.tolist(), link.receive_errors]
+
+
+def test_a_gloo_link_idle_past_its_timeout_still_carries_the_next_transfer():
+    from infra_lab.processes import run_on_ranks
+
+    _, (header, payload, errors) = run_on_ranks(idle_then_send, 2, 3.0, 1.0, timeout_s=1.0)
+    assert header == '{"transfer_id": "late"}' and payload == list(range(8)) and errors == 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
 def test_a_hundred_prompts_through_the_pair_get_one_engines_tokens(over_gloo, target, seeded):
@@ -127,8 +157,9 @@ def test_a_hundred_prompts_through_the_pair_get_one_engines_tokens(over_gloo, ta
         assert tokens == alone(target, list(text.encode()), params, "numba"), text
     c = target.config
     fallbacks = metric(over_gloo.url, "pd_requests_total", outcome="fallback")
-    assert fallbacks == 0, ("requests went to the prefill worker whole", over_gloo.front.output()[-2000:],
-                            over_gloo.decode[0].alive, over_gloo.decode[0].output()[-2000:])
+    assert fallbacks == 0, ("requests went to the prefill worker whole", front_health(over_gloo.url),
+                            over_gloo.front.output()[-2000:], over_gloo.decode[0].alive,
+                            over_gloo.decode[0].output()[-2000:])
     sent = metric(over_gloo.decode[0].url, "infra_lab_kv_transfer_bytes_total") - before
     assert sent == sum(2 * c.n_layers * c.n_kv_heads * c.head_dim * len(t.encode()) * 4 for t in texts)
     for worker in over_gloo.prefill + over_gloo.decode:

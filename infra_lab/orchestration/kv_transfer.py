@@ -181,15 +181,19 @@ class GlooLink:
     def _receive_forever(self) -> None:
         import torch
 
+        idle = datetime.timedelta(days=365)  # an idle link waits: a timed-out recv would close gloo's pair for good
+        within = datetime.timedelta(seconds=self.timeout_s)  # the rest of a transfer that has begun
         while True:
             sizes = torch.zeros(2, dtype=torch.int64)
             try:
-                src = self.dist.recv(sizes, tag=KV_TAG)
+                first = self.dist.irecv(sizes, tag=KV_TAG)
+                first.wait(idle)
+                src = first.source_rank()
                 header = torch.empty(int(sizes[0]), dtype=torch.uint8)
-                self.dist.recv(header, src, tag=KV_TAG)
+                self.dist.irecv(header, src, tag=KV_TAG).wait(within)
                 payload = torch.empty(int(sizes[1]), dtype=torch.uint8)
                 if payload.numel():
-                    self.dist.recv(payload, src, tag=KV_TAG)
+                    self.dist.irecv(payload, src, tag=KV_TAG).wait(within)
             except RuntimeError:  # a sender died mid-transfer: its request is retried by the front
                 self.receive_errors += 1
                 time.sleep(0.1)
