@@ -23,7 +23,7 @@ from infra_lab.serving.request import SamplingParams
 PROMPTS = [list(b"def "), list(b"for i in"), list(b"import ")]
 GREEDY = SamplingParams(max_tokens=8)
 TINY = ModelConfig("tiny", n_layers=1, d_model=16, n_heads=2, n_kv_heads=1, d_ff=32)  # byte vocabulary
-TIMEOUT_S = 20.0
+TIMEOUT_S = 120.0  # only for a failure: a loaded machine can take tens of seconds to compile a rank's kernels
 
 
 @pytest.fixture(scope="module")
@@ -265,7 +265,7 @@ def pair_on_rank(ends) -> dict:
 
 @pytest.mark.slow
 def test_the_cross_process_rungs_deliver_the_bytes_and_refuse_a_bad_layout_on_both_sides():
-    trainer, rollout = run_on_ranks(pair_on_rank, 2, multiprocessing.Pipe(), timeout_s=30)
+    trainer, rollout = run_on_ranks(pair_on_rank, 2, multiprocessing.Pipe(), timeout_s=120)
     sent, got = trainer["weights"], rollout["weights"]
     for case, version in ((1, 1), (2, 2), (3, 2), (4, 4), (5, 5), (6, 5), ("stale", 5)):  # 3, 6, stale: refused
         assert got[case][0] == version and same(got[case][1], sent[version]), case
