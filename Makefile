@@ -66,11 +66,12 @@ chromium:
 # learner's own `pytest --nbval-lax`. Two workers, one file each at a time (a module's processes
 # are spawned once): most of the suite is single-threaded Python. The grader's tests time hangs
 # and floods, so they run afterwards, apart from the rest: two at a time, since most of their
-# time is spent waiting out the time limits they test.
+# time is spent waiting out the time limits they test. They are all in tests/test_grader.py (a
+# test there says so), which that pass collects alone: every module would cost each worker 10 s.
 test: BOOK_JOBS = 2
 test: book chromium
 	$(BIN)/python -m pytest tests -q -n 2 --dist loadfile -m "not grader" --durations=25 --junitxml=_build/tests.xml
-	$(BIN)/python -m pytest tests -q -n 2 -m grader
+	$(BIN)/python -m pytest tests/test_grader.py -q -n 2 -m grader
 
 # The inner loop of development: the unit and property tests without the slow ones (processes,
 # notebooks, training; `-m slow` lists them), on two workers, in about 2 minutes here. It needs

@@ -13,9 +13,11 @@ in this thread, else the current one's.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 import os
 import platform
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -42,9 +44,21 @@ def _installed(module: str) -> bool:
 def _torch_has_cuda() -> bool:
     if not _installed("torch"):
         return False
+    if "torch" not in sys.modules and _torch_build().endswith("+cpu"):
+        # torch's CPU-only wheels say so in their version: importing one (1.5 s of CPU, in every
+        # server on the numba backend) would only answer False
+        return False
     import torch
 
     return torch.cuda.is_available()
+
+
+def _torch_build() -> str:
+    """The installed torch's version as its package records it ("2.13.0+cpu"), without importing it."""
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
 
 
 def available() -> dict[str, tuple[str, ...]]:

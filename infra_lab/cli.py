@@ -157,11 +157,14 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("OPENBLAS_NUM_THREADS", str(args.blas_threads))
         if args.threads:
             os.environ["NUMBA_NUM_THREADS"] = str(args.threads)
-    from infra_lab.grading import notebooks
-
     try:
         return args.run(args)
-    except notebooks.NotANotebook as error:
+    except Exception as error:
+        # only a command that read notebooks can raise NotANotebook, and it imported the module;
+        # importing it here would load nbformat (1.2 s of CPU) into every server and router
+        notebooks = sys.modules.get("infra_lab.grading.notebooks")
+        if notebooks is None or not isinstance(error, notebooks.NotANotebook):
+            raise
         print(f"error: {error}", file=sys.stderr)
         return 2
 

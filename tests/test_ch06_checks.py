@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from infra_lab.grading import ch06, checks
+from infra_lab.grading.ch07 import Schedule
 from infra_lab.orchestration import bench_metrics, tenants
 from infra_lab.orchestration.policies import CacheAware, Policy, RoundRobin, Worker
 
@@ -312,8 +313,19 @@ def test_a_class_that_is_no_policy_is_named():
     fails("YourPolicy", object, "subclass of infra_lab.orchestration.policies.Policy", simulated_only())
 
 
+class ThePackagesPolicy(CacheAware):
+    """The package's policy as a candidate: the reference's own served cases are its verdict alone."""
+
+
 @pytest.mark.slow
 def test_served_cases_pass_the_package_policy_and_stop_the_workers():
-    result = run("YourPolicy", RandomOnNewPrefixes)
+    """The variant and the package's policy on the same two real workers: the same cases with
+    the last not stopping them serve the variant, then the check as it is the package's policy."""
+    spec = checks._lookup("ch06.YourPolicy")
+    kinds = ["simulated"] * 20 + ["served"] * 4  # "served, last" draws as "served" does
+    keep = dataclasses.replace(spec, draw_case=Schedule(kinds, ch06._policy_case))
+    assert run("YourPolicy", RandomOnNewPrefixes, keep).line == "PASS ch06.YourPolicy 24/24"
+    assert ch06._FLEET and all(worker.alive for worker in ch06._FLEET[0].workers)
+    result = run("YourPolicy", ThePackagesPolicy)
     assert result.line == "PASS ch06.YourPolicy 24/24", result.line
     assert not ch06._FLEET  # the last served case stopped them

@@ -7,6 +7,7 @@ import torch  # noqa: F401 - the ZeRO-1 steps below run from their source, with 
 import torch.distributed as dist  # noqa: F401
 
 from infra_lab.grading import ch10, ch10_ranks, checks
+from infra_lab.processes import run_on_ranks
 
 NAMES = ["memory_per_rank", "zero2_step", "parallel_linear", "one_f_one_b"]
 
@@ -93,20 +94,32 @@ def zero1_all_reduce(flat_params, flat_grads, shard, optimizer):
     dist.all_gather_single(flat_params, shard.detach().clone())
 
 
+def trained_in_turn(jobs: list[tuple[str, str, int]]) -> list[dict]:
+    """On each of the two ranks: ch10._trained's work (ch10_ranks.zero1_rank) for every (source,
+    name, steps) in turn, in one start of the processes (each start imports the model anew)."""
+    return [ch10_ranks.zero1_rank(source, name, steps) for source, name, steps in jobs]
+
+
 @pytest.mark.slow
 def test_the_zero1_check_trains_the_real_model_and_names_mistakes(monkeypatch):
     """The package's step trains the check's TRAIN_STEPS; each mistake shows within 2 steps
     (a sum is twice the mean; a float32 buffer is 1e-8 off in the first loss; all_reduce is
-    counted), so the mistakes train 2, which spares 4 s of training each."""
+    counted), so the mistakes train 2, which spares 4 s of training each. All four train in one
+    start of two processes, and the check judges each mistake from its training there."""
     assert run("zero1_step", ch10.zero1_step).passed == 24  # the reference short-cuts: now run its source
     source = ch10.source_of(ch10_ranks.zero1_step).replace("def zero1_step", "def package_zero1_step")
-    ranks = ch10._trained(source, "package_zero1_step")
+    mistakes = (zero1_summed, zero1_float32, zero1_all_reduce)
+    jobs = [(source, "package_zero1_step", ch10.TRAIN_STEPS)] + [(ch10.source_of(f), f.__name__, 2) for f in mistakes]
+    by_rank = run_on_ranks(trained_in_turn, 2, jobs, timeout_s=300)
+    trained = {job[:2]: [results[i] for results in by_rank] for i, job in enumerate(jobs)}
+    ranks = trained[(source, "package_zero1_step")]
     assert not ranks[0].get("error") and all(case["match"] for r in ranks for case in r["cases"])
     losses = np.mean([r["losses"] for r in ranks], axis=0)
     ddp = np.mean([r["ddp_losses"] for r in ranks], axis=0)
     assert np.max(np.abs(losses - ddp) / ddp) < ch10.MATCH and ranks[0]["weight_gap"] < ch10.MATCH
     assert ranks[0]["optimizer_bytes"] == ranks[0]["optimizer_bytes_modelled"]
     monkeypatch.setattr(ch10, "TRAIN_STEPS", 2)
+    monkeypatch.setattr(ch10, "_trained", lambda source, name: trained[(source, name)])
     fails("zero1_step", zero1_summed, "the sum over the ranks: divide it by the world size")
     fails("zero1_step", zero1_float32, "trains in float64: does a buffer on the way have another dtype")
     result = fails("zero1_step", zero1_all_reduce, "calls all_reduce")

@@ -172,3 +172,12 @@ def test_cli_help_lists_every_command_with_a_line():
     assert done.returncode == 0
     for command in ("assign", "grade", "describe", "tidy"):
         assert any(line.strip().startswith(command + " ") for line in done.stdout.splitlines()), command
+
+
+def test_every_grader_test_is_in_this_file(root):
+    """`make test`'s grader pass collects this file alone (collecting every test module would cost
+    each worker 10 s of the pass's minute): a test marked grader in another file would run in
+    neither pass, so there must be none."""
+    elsewhere = [path.name for path in sorted((root / "tests").glob("test_*.py"))
+                 if path.name != "test_grader.py" and "mark.grader" in path.read_text()]
+    assert elsewhere == []

@@ -6,8 +6,9 @@ The chapter's bar is 50 steps in float32; the benchmark (benchmarks/parallel.py)
 and 4 processes. Here fewer, shorter steps keep the suite inside CI's budget, in float64: the same
 code and checks, and a match to float64's rounding, which no CPU's kernels can move (in float32
 the weights differ by 5e-6 after 5 steps on 4 processes, at the edge of any float32 bound).
-The training comes from one spawn per world size, the quick checks from one more (each spawn
-costs seconds).
+The training comes from one spawn per world size, and the quick checks ride along with the
+training on two (each start of the ranks imports the model anew); run without the training
+(`make check`), they spawn on their own.
 """
 import functools
 
@@ -42,14 +43,28 @@ def checks_on_two_ranks() -> dict:
                           error_of(runs.train_rank, "ddp", runs.Settings(steps=1, batch=3))]}
 
 
-@functools.cache
+def trained_then_checked_on_two_ranks(settings: runs.Settings) -> dict:
+    """The training on two ranks, then the quick checks, in the same spawn."""
+    return {"trained": runs.compare_rank(list(runs.METHODS), settings), "checks": checks_on_two_ranks()}
+
+
+CHECKED: list[dict] = []  # each rank's quick checks, from trained(2)'s spawn or a spawn of their own
+
+
 def two_ranks() -> list[dict]:
-    return run_on_ranks(checks_on_two_ranks, 2, timeout_s=60)
+    if not CHECKED:
+        CHECKED.extend(run_on_ranks(checks_on_two_ranks, 2, timeout_s=60))
+    return CHECKED
 
 
 @functools.cache
 def trained(world: int) -> tuple[dict, list[list[dict]]]:
     settings = SETTINGS[world]
+    if world == 2:
+        both = run_on_ranks(trained_then_checked_on_two_ranks, 2, settings, timeout_s=240)
+        if not CHECKED:
+            CHECKED.extend(rank["checks"] for rank in both)
+        return runs.single_process(settings), [rank["trained"] for rank in both]
     return runs.single_process(settings), run_on_ranks(runs.compare_rank, world, list(runs.METHODS), settings,
                                                        timeout_s=240)
 

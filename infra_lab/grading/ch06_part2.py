@@ -118,14 +118,23 @@ TARGET_SHARE = 1.0  # replica-seconds, fewer than static peak provisioning's
 
 @functools.lru_cache(maxsize=8)
 def _scenario(peak_load: float, seed: int):
-    """(scenario, one replica's saturated req/s, the trace, static peak provisioning's replay)."""
+    """(scenario, one replica's saturated req/s, the trace)."""
     from infra_lab import roofline
     from infra_lab.serving import autoscaling_study as study
 
     scenario = study.Scenario(roofline.LLAMA_3_8B, time_scale=TIME_SCALE, peak_load=peak_load, seed=seed)
     saturated = study.saturated_req_s(scenario, n=128)
-    trace = scenario.trace(saturated)
-    return scenario, saturated, trace, study.static_peak(scenario, trace, scenario.rate(saturated), saturated)
+    return scenario, saturated, scenario.trace(saturated)
+
+
+@functools.lru_cache(maxsize=8)
+def _static_peak(peak_load: float, seed: int):
+    """Static peak provisioning's replay of the case's trace: asked for once an autoscaler's replay
+    has run (one that fails to start or to replay needs none)."""
+    from infra_lab.serving import autoscaling_study as study
+
+    scenario, saturated, trace = _scenario(peak_load, seed)
+    return study.static_peak(scenario, trace, scenario.rate(saturated), saturated)
 
 
 def _reference_autoscaler(limits, replica_req_s, cold_start_s):
@@ -146,7 +155,7 @@ def drive_autoscaler(autoscaler_class, peak_load, seed):
     from infra_lab.serving.autoscaling import Autoscaler, Limits
     from infra_lab.serving.autoscaling_replay import replay
 
-    scenario, saturated, trace, peak = _scenario(peak_load, seed)
+    scenario, saturated, trace = _scenario(peak_load, seed)
     rate = scenario.rate(saturated)
     limits = Limits(max(1, math.ceil(rate.base_per_s / saturated)), scenario.max_replicas, scenario.interval)
     made = autoscaler_class(limits, saturated, scenario.cold_start_s)
@@ -154,6 +163,7 @@ def drive_autoscaler(autoscaler_class, peak_load, seed):
         raise TypeError(f"YourAutoscaler must subclass infra_lab.serving.autoscaling.Autoscaler; got "
                         f"{type(made).__name__}")
     run = replay(trace, made, scenario.time_model(), scenario.engine_config(), scenario.cold_start_s, scenario.slo)
+    peak = _static_peak(peak_load, seed)
     share = run.replica_seconds / peak.replica_seconds
     per_interval = max(np.bincount([round(t / limits.interval_s) for t, _ in run.actions]), default=0) \
         if run.actions else 0

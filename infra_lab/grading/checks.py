@@ -1,8 +1,9 @@
 """Seeded property checks of a student's function against the reference implementation.
 
-Each check draws random cases from a generator seeded by the check's name, calls the reference
-and the student's function on copies of the same arguments, and compares the results. The
-printed line is deterministic, so a notebook can keep it as the cell's expected output.
+Each check draws random cases from a generator seeded by the check's name, calls the student's
+function and then the reference on copies of the same arguments, and compares the results (a
+case whose call raises fails without the reference's run). The printed line is deterministic,
+so a notebook can keep it as the cell's expected output.
 A check named "chNN.exercise" is registered by the chapter module infra_lab/grading/chNN.py,
 found by name and imported the first time one of its checks is asked for.
 """
@@ -174,13 +175,15 @@ def _run(spec: Check, candidate: object) -> CheckResult:
     passed, first_failure = 0, None
     run = (lambda obj, case: spec.drive(obj, *case)) if spec.drive else (lambda obj, case: obj(*case))
     for args in cases:
-        expected = run(spec.reference, copy.deepcopy(args))
         call = f"{function_name}{short_repr(tuple(args), 100)}"
+        # the candidate first: a case it fails by raising needs no expected value, so a fresh
+        # exercise costs none of the references' time (real servers, replays, training)
         try:
             got = run(candidate, copy.deepcopy(args))
         except Exception as error:  # the student's bug is the finding, not a crash
             failure = f"{call} raised {type(error).__name__}: {error}"
         else:
+            expected = run(spec.reference, copy.deepcopy(args))
             if _close(expected, got, spec):
                 passed += 1
                 continue
