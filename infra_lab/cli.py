@@ -20,6 +20,16 @@ def _assign(args: argparse.Namespace) -> int:
     return 0
 
 
+def _whole(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1; got {text!r}")
+    return value
+
+
 def _grade(args: argparse.Namespace) -> int:
     from infra_lab.grading import grade, notebooks
 
@@ -30,20 +40,28 @@ def _grade(args: argparse.Namespace) -> int:
             notebooks.read(path)
         except notebooks.NotANotebook as error:
             bad.append(str(error))
-    limits = grade.Limits(args.timeout, args.cell_timeout)
+    from infra_lab.grading import contain, report
+
+    limits = grade.Limits(args.timeout, args.cell_timeout, containment=args.containment)
+    level = grade.containment(limits)
+    described = contain.describe(level, limits.budget)
+    print(f"grading {len(submissions)} submissions, {args.jobs or os.cpu_count()} at a time; contained by "
+          f"{described}", flush=True)
 
     def progress(path: Path, seconds: float) -> None:
         print(f"graded {path} in {seconds:.1f} s", flush=True)
 
     try:
-        rows = grade.grade(Path(args.assignment), submissions, Path(args.csv), limits, progress)
+        rows = grade.grade(Path(args.assignment), submissions, Path(args.csv), limits, progress, args.jobs)
     except notebooks.NotANotebook as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     for row in rows:
         print(f"  {row.submission} {row.exercise}: {row.status} {row.passed}/{row.total} "
-              f"-> {row.points} points")
-    print(f"wrote {args.csv}")
+              f"-> {row.points} points" + (f" ({row.detail[:100]})" if row.status != "ok" else ""))
+    report_path = Path(args.report) if args.report else Path(args.csv).with_suffix(".html")
+    report.write(rows, report_path, Path(args.assignment).name, described)
+    print(f"wrote {args.csv} and {report_path}")
     for message in bad:
         print(f"error: {message}", file=sys.stderr)
     return 2 if bad else 0
@@ -115,6 +133,11 @@ def parser() -> argparse.ArgumentParser:
     grade.add_argument("--csv", required=True, help="where to write the grades")
     grade.add_argument("--timeout", type=float, default=300.0, help="seconds per submission (300)")
     grade.add_argument("--cell-timeout", type=float, default=60.0, help="seconds per cell (60)")
+    grade.add_argument("--jobs", type=_whole, default=None,
+                       help="submissions graded at a time (default: the number of cores)")
+    grade.add_argument("--containment", choices=("auto", "namespaces", "limits"), default="auto",
+                       help="auto: Linux namespaces where they work here, else resource limits only")
+    grade.add_argument("--report", help="where to write the class report (default: the CSV's path, .html)")
     grade.set_defaults(run=_grade)
 
     describe = commands.add_parser("describe", help="print where kernels run: backend, device, versions")

@@ -3,13 +3,16 @@ time their limits, so `make test` runs them apart from the rest, after it, two a
 their time is spent waiting out those limits); every chapter graded whole is in
 test_grade_chapters.py."""
 import csv
+import socket
 import subprocess
 import sys
+import threading
+from pathlib import Path
 
 import nbformat
 import pytest
 
-from infra_lab.grading import grade, notebooks
+from infra_lab.grading import contain, grade, notebooks
 
 pytestmark = pytest.mark.grader
 EXERCISES = ["ch00.decode_intensity", "ch00.ttft_tpot", "ch00.idle_fraction"]
@@ -141,7 +144,7 @@ def test_cli_grades_a_folder_into_one_csv_even_with_a_hang(paths, tmp_path):
     assert done.returncode == 0, done.stderr
     with open(out, newline="") as handle:
         rows = list(csv.DictReader(handle))
-    assert list(rows[0]) == ["submission", "exercise", "passed", "total", "points", "status"]
+    assert list(rows[0]) == ["submission", "exercise", "passed", "total", "points", "status", "detail"]
     assert len(rows) == 9
     totals = {}
     for row in rows:
@@ -149,6 +152,8 @@ def test_cli_grades_a_folder_into_one_csv_even_with_a_hang(paths, tmp_path):
         totals[name] = totals.get(name, 0) + float(row["points"])
     assert totals == {"alice.ipynb": 3.0, "bob.ipynb": 2.0, "carol.ipynb": 0.0}
     assert {row["status"] for row in rows if "bob" in row["submission"]} == {"ok", "timeout"}
+    page = out.with_suffix(".html").read_text()
+    assert "ch00.decode_intensity" in page and "bob.ipynb" in page and "contained by" in done.stdout
 
 
 def test_cli_bad_paths_get_one_line_and_exit_2(paths, tmp_path):
@@ -181,3 +186,112 @@ def test_every_grader_test_is_in_this_file(root):
     elsewhere = [path.name for path in sorted((root / "tests").glob("test_*.py"))
                  if path.name != "test_grader.py" and "mark.grader" in path.read_text()]
     assert elsewhere == []
+
+
+# ---- a class at once: side by side, and contained ------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+SOLVED = ("def decode_intensity(n_params, batch, bytes_per_param):\n"
+          "    return 2 * n_params * batch / (n_params * bytes_per_param)\n")
+TIGHT = grade.Limits(submission_timeout_s=90, cell_timeout_s=20,
+                     budget=contain.Budget(memory_mb=4096, processes=64, file_mb=32, scratch_mb=64))
+needs_namespaces = pytest.mark.skipif(contain.available() != "namespaces",
+                                      reason="unshare and setpriv do not work here")
+
+
+HOG = ("import numpy as np\nblocks = []\nfor _ in range(400):\n"  # untouched zeros: address space, not memory
+       "    blocks.append(np.zeros(64 << 20, np.uint8))")
+
+
+def hostile(tried: str) -> str:
+    """An exercise cell that cheats: it tries something forbidden and, if that works, answers right."""
+    return tried + "\n" + SOLVED
+
+
+class Listener:
+    """A TCP server on this machine's loopback that counts who connects."""
+
+    def __init__(self):
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port, self.accepted = self.server.getsockname()[1], 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                connection, _ = self.server.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            connection.close()
+
+
+@needs_namespaces
+def test_hostile_submissions_are_stopped_and_cost_only_their_own_points(paths, tmp_path):
+    assignment, solutions, _ = paths
+    folder = tmp_path / "class"
+    folder.mkdir()
+    good = submission(solutions, folder, "a_good")
+    listener = Listener()
+    planted = ROOT / "infra_lab" / "written_by_a_submission.py"
+    tries = {
+        "reads_a_neighbour": (f"open({str(good)!r}).read()", "error", "FileNotFoundError"),
+        "writes_outside": (f"open({str(planted)!r}, 'w').write('x')", "stopped",
+                           "no permission" if contain.os.geteuid() == 0 else "read-only file system"),
+        "opens_a_socket": (f"import socket\nsocket.create_connection(('127.0.0.1', {listener.port}), timeout=5)",
+                           "error", "ConnectionRefusedError"),
+        "forks_without_end": ("import os, time\nfor _ in range(400):\n    if os.fork() == 0:\n"
+                              "        time.sleep(60)\n        os._exit(0)", "stopped", "process limit"),
+        "allocates_without_end": (HOG,
+                                  "stopped", "memory limit"),
+        "fills_the_disk": ("for i in range(100):\n    open(f'/tmp/fill{i}', 'wb').write(bytes(4 << 20))",
+                           "stopped", "disk space"),
+        "writes_a_huge_file": ("open('huge', 'wb').write(bytes(64 << 20))", "stopped", "file size limit"),
+        "edits_the_checks": ("from infra_lab.grading import checks\nchecks._run = lambda spec, candidate: "
+                             "checks.CheckResult(spec.name, spec.n_cases, spec.n_cases, None)",
+                             "stopped", "edited the checks (checks._run)"),
+    }
+    for name, (tried, _, _) in tries.items():
+        submission(solutions, folder, name, {"ch00.decode_intensity": hostile(tried)})
+    rows = grade.grade(assignment, grade.expand([folder]), tmp_path / "grades.csv", TIGHT, jobs=2)
+    by_name: dict[str, dict] = {}
+    for row in rows:
+        by_name.setdefault(Path(row.submission).stem, {})[row.exercise] = row
+    alone = grade.grade_one(notebooks.read(assignment), good, TIGHT)
+    assert list(by_name["a_good"].values()) == alone
+    assert {row.points for row in alone} == {1.0}
+    wrong = {name: (row.status, row.points, row.detail) for name, (_, status, named) in tries.items()
+             if (row := by_name[name]["ch00.decode_intensity"]).status != status or row.points
+             or named not in row.detail}
+    assert wrong == {}
+    assert not planted.exists() and listener.accepted == 0
+    assert by_name["writes_a_huge_file"]["ch00.ttft_tpot"].points == 1.0  # the rest of its work counts
+    edited = by_name["edits_the_checks"]
+    assert {row.status for row in edited.values()} == {"stopped"}  # the checks it edited judge nothing after
+
+
+def test_side_by_side_gives_the_same_csv_as_one_at_a_time(paths, tmp_path):
+    assignment, solutions, _ = paths
+    folder = tmp_path / "class"
+    folder.mkdir()
+    submission(solutions, folder, "alice")
+    submission(assignment, folder, "bob")
+    submission(solutions, folder, "carol", {"ch00.ttft_tpot": "raise RuntimeError('boom')"})
+    submission(solutions, folder, "dave", {"ch00.idle_fraction": "def idle_fraction(spans):\n    return 0.5"})
+    paths_in_order = grade.expand([folder])
+    one = grade.grade(assignment, paths_in_order, tmp_path / "one.csv", FAST, jobs=1)
+    two = grade.grade(assignment, paths_in_order, tmp_path / "two.csv", FAST, jobs=2)
+    assert one == two and (tmp_path / "one.csv").read_bytes() == (tmp_path / "two.csv").read_bytes()
+    assert [Path(r.submission).stem for r in one[::3]] == ["alice", "bob", "carol", "dave"]
+
+
+def test_limits_alone_stop_an_allocation_and_a_huge_file(paths, tmp_path):
+    assignment, solutions, _ = paths
+    path = submission(solutions, tmp_path, "greedy", {  # the memory it takes stays taken: it goes last
+        "ch00.decode_intensity": hostile("open('huge', 'wb').write(bytes(64 << 20))"),
+        "ch00.idle_fraction": HOG})
+    limits = grade.Limits(60, 20, budget=TIGHT.budget, containment="limits")
+    got = {row.exercise: row for row in grade.grade_one(notebooks.read(assignment), path, limits)}
+    assert got["ch00.decode_intensity"].status == "stopped" and "file size limit" in got["ch00.decode_intensity"].detail
+    assert got["ch00.ttft_tpot"].points == 1.0
+    assert got["ch00.idle_fraction"].status == "stopped" and "memory limit" in got["ch00.idle_fraction"].detail
