@@ -88,20 +88,22 @@ def _run_plan(cells: list[dict], limits: Limits, level: str, slot: int = 0,
     the limit that killed it, if one did."""
     with tempfile.TemporaryDirectory(prefix="infra-lab-grade-") as workdir:
         plan_path, results_path = Path(workdir, "plan.json"), Path(workdir, "results.jsonl")
+        # limits alone: the runner sets them on itself first (a preexec_fn is unsafe beside threads);
+        # namespaces: the containment's first process sets them before it becomes the runner
+        own_limits = {"budget": asdict(limits.budget), "processes": contain.process_limit(limits.budget, False)} \
+            if level == "limits" else None
         plan_path.write_text(json.dumps({"cells": cells, "cell_timeout_s": limits.cell_timeout_s,
-                                         "output_limit": limits.output_limit_chars}))
+                                         "output_limit": limits.output_limit_chars, "limits": own_limits}))
         results_path.touch()
         scratch = Path(workdir, "scratch")
         scratch.mkdir()
         spec = {"plan": str(plan_path), "results": str(results_path), "slot": slot, "hide": list(hide),
                 "budget": asdict(limits.budget)}
         argv, environment = contain.command(level, [str(plan_path), str(results_path)], spec, scratch)
-        processes = contain.process_limit(limits.budget, own_user=False) if level == "limits" else None
         quiet = None if os.environ.get("INFRA_LAB_GRADER_DEBUG") else subprocess.DEVNULL
         process = subprocess.Popen(
             argv, cwd=scratch, env=environment, stdin=subprocess.DEVNULL, stdout=quiet, stderr=quiet,
             start_new_session=True,
-            preexec_fn=(lambda: contain.set_limits(limits.budget, processes)) if level == "limits" else None,
         )
         timed_out = False
         try:

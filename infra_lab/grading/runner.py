@@ -92,6 +92,10 @@ def _edited(module, before: dict) -> str | None:
 
 def run(plan_path: Path, results_path: Path) -> None:
     plan = json.loads(plan_path.read_text(encoding="utf-8"))
+    if plan.get("limits"):  # containment by limits alone: set here, before any student code
+        from infra_lab.grading import contain
+
+        contain.set_limits(contain.Budget(**plan["limits"]["budget"]), plan["limits"]["processes"])
     target = str(results_path)
     results = (open(int(target[3:]), "a", encoding="utf-8") if target.startswith("fd:")
                else results_path.open("a", encoding="utf-8"))
