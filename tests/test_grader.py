@@ -236,8 +236,8 @@ def test_hostile_submissions_are_stopped_and_cost_only_their_own_points(paths, t
     planted = ROOT / "infra_lab" / "written_by_a_submission.py"
     tries = {
         "reads_a_neighbour": (f"open({str(good)!r}).read()", "error", "FileNotFoundError"),
-        "writes_outside": (f"open({str(planted)!r}, 'w').write('x')", "stopped",
-                           "no permission" if contain.os.geteuid() == 0 else "read-only file system"),
+        "writes_outside": (f"open({str(planted)!r}, 'w').write('x')", "stopped", ("no permission",
+                                                                                 "read-only file system")),
         "opens_a_socket": (f"import socket\nsocket.create_connection(('127.0.0.1', {listener.port}), timeout=5)",
                            "error", "ConnectionRefusedError"),
         "forks_without_end": ("import os, time\nfor _ in range(400):\n    if os.fork() == 0:\n"
@@ -262,7 +262,7 @@ def test_hostile_submissions_are_stopped_and_cost_only_their_own_points(paths, t
     assert {row.points for row in alone} == {1.0}
     wrong = {name: (row.status, row.points, row.detail) for name, (_, status, named) in tries.items()
              if (row := by_name[name]["ch00.decode_intensity"]).status != status or row.points
-             or named not in row.detail}
+             or not any(words in row.detail for words in ([named] if isinstance(named, str) else named))}
     assert wrong == {}
     assert not planted.exists() and listener.accepted == 0
     assert by_name["writes_a_huge_file"]["ch00.ttft_tpot"].points == 1.0  # the rest of its work counts

@@ -165,9 +165,9 @@ def _reachable_by_others(path: Path) -> Path | None:
 
 def _needed(paths: list[str]) -> list[Path]:
     """The folders the runner reads its code from (the interpreter, the packages on sys.path), each
-    once: none inside another, and none under /tmp (the grader's own scratch)."""
+    once: none inside another, and not the working folder (the grader's scratch, on sys.path as '')."""
     found = {Path(p).resolve() for p in paths if p and Path(p).is_dir()}
-    found = {p for p in found if not p.is_relative_to("/tmp")}
+    found = {p for p in found if p != Path("/tmp") and not p.is_relative_to(Path(os.getcwd()).resolve())}
     return sorted(p for p in found if not any(p != q and p.is_relative_to(q) for q in found))
 
 
@@ -188,6 +188,20 @@ def _open_up(needed: list[Path]) -> None:
         for path, keep in zip(paths, kept):
             path.mkdir(parents=True, exist_ok=True)
             _mount("--move", str(keep), str(path))
+
+
+def _fresh_tmp(size_mb: int, staging: Path, needed: list[Path]) -> None:
+    """An empty, size-limited /tmp over the grader's, holding only the folders of `needed` that
+    live under /tmp (a clone there): built at `staging` (a folder of the grader's under /tmp),
+    then moved onto /tmp."""
+    staging.mkdir()
+    _mount("-t", "tmpfs", "-o", f"mode=1777,size={size_mb}m", "tmpfs", str(staging))
+    for path in needed:
+        if path.is_relative_to("/tmp"):
+            inside = staging / path.relative_to("/tmp")
+            inside.mkdir(parents=True)
+            _mount("--rbind", str(path), str(inside))
+    _mount("--move", str(staging), "/tmp")
 
 
 def _numba_cache(into: Path) -> None:
@@ -215,18 +229,19 @@ def enter(spec: dict) -> None:
     uid = FIRST_UID + int(spec["slot"]) if spec["root"] else None
     package = Path(__file__).resolve().parent.parent
     needed = _needed([sys.prefix, sys.base_prefix, sys.exec_prefix, str(package), *sys.path])
-    _mount("-t", "tmpfs", "-o", f"mode=1777,size={budget.scratch_mb}m", "tmpfs", "/tmp")
+    _fresh_tmp(budget.scratch_mb, Path(spec["plan"]).parent / "tmp", needed)
     if uid is not None:
         _open_up(needed)
     for folder, size in (("/dev/shm", budget.scratch_mb), ("/var/tmp", 16)):
         if Path(folder).is_dir():
             _mount("-t", "tmpfs", "-o", f"mode=1777,size={size}m", "tmpfs", folder)
-    for folder in spec["hide"]:
-        if Path(folder).is_dir() and not Path(folder).resolve().is_relative_to("/tmp"):
+    for folder in spec["hide"]:  # one under /tmp is gone already, unless it holds code the runner needs
+        if Path(folder).is_dir():
             _mount("-t", "tmpfs", "-o", "ro,mode=755,size=4k", "tmpfs", folder)
     writable = ("/tmp", "/dev/shm", "/var/tmp", "/proc")
     for point, options in _mount_points():
-        if point == "/" or not any(point == w or point.startswith(w + "/") for w in writable):
+        code = any(Path(point).is_relative_to(path) for path in needed)  # the repository may live in /tmp
+        if point == "/" or code or not any(point == w or point.startswith(w + "/") for w in writable):
             kept = [o for o in options.split(",") if o not in ("rw", "ro")]
             subprocess.run(["mount", "-o", ",".join(["remount", "bind", "ro", *kept]), point], capture_output=True)
     SCRATCH.mkdir()
