@@ -68,9 +68,11 @@ def is_target(entry: Entry) -> bool:
 
 
 def table(entries: list[Entry], figures: dict[str, Figure | None], stems: dict[str, str]) -> str:
-    rows = ["| claim | source | published | ours | verdict | chapter |", "|---|---|---|---|---|---|"]
-    rows += [f"| {cell(e.claim)} | {source_cell(e)} | {cell(e.published)} | {ours_cell(e, figures[e.key])} | "
-             f"{verdict_cell(figures[e.key])} | {chapter_link(e.chapter, stems)} |" for e in entries]
+    # the source last: at the page's width a wide table scrolls sideways, and the claim, the numbers
+    # and the verdict are what a reader must see without scrolling
+    rows = ["| chapter | claim | published | verdict | ours | source |", "|---|---|---|---|---|---|"]
+    rows += [f"| {chapter_link(e.chapter, stems)} | {cell(e.claim)} | {cell(e.published)} | "
+             f"{verdict_cell(figures[e.key])} | {ours_cell(e, figures[e.key])} | {source_cell(e)} |" for e in entries]
     return "\n".join(rows)
 
 
@@ -80,9 +82,9 @@ def stated(entry: Entry, figure: Figure | None) -> str:
 
 
 def targets_table(entries: list[Entry], figures: dict[str, Figure | None], stems: dict[str, str]) -> str:
-    rows = ["| the chapter's claim | set by | ours | verdict | chapter |", "|---|---|---|---|---|"]
-    rows += [f"| {cell(stated(e, figures[e.key]))} | {cell(e.source)} | {ours_cell(e, figures[e.key])} | "
-             f"{verdict_cell(figures[e.key])} | {chapter_link(e.chapter, stems)} |" for e in entries]
+    rows = ["| chapter | the chapter's claim | verdict | ours | set by |", "|---|---|---|---|---|"]
+    rows += [f"| {chapter_link(e.chapter, stems)} | {cell(stated(e, figures[e.key]))} | "
+             f"{verdict_cell(figures[e.key])} | {ours_cell(e, figures[e.key])} | {cell(e.source)} |" for e in entries]
     return "\n".join(rows)
 
 
