@@ -15,7 +15,7 @@ import os
 import shutil
 import threading
 from pathlib import Path
-from urllib.parse import urlparse
+from urllib.parse import parse_qs, urlparse
 
 import pytest
 import yaml
@@ -354,14 +354,65 @@ def test_no_widget_state_or_widget_renderer_is_shipped(visit):
             assert needle not in html, f"{relative} still ships {needle}"
 
 
-def test_launch_buttons_go_to_colab_and_binder(visit):
-    page = visit("book/ch00_stack.html").page
-    links = page.eval_on_selector_all("a", "as => as.map(a => a.href)")
-    colab = ("https://colab.research.google.com/github/ai-infra-lab/ai-infra-lab/blob/main/"
-             "book/ch00_stack.ipynb")
-    assert colab in links
-    assert any(link.startswith("https://mybinder.org/v2/gh/ai-infra-lab/ai-infra-lab/main")
-               for link in links)
+# The repository the launch links open: _config.yml's repository.url (a GitHub URL) and branch
+# (main unless it says otherwise), and its launch hosts; from the _config.yml beside the build.
+CONFIG = yaml.safe_load(((SITE.parent.parent if TOC.is_file() else ROOT) / "_config.yml")
+                        .read_text(encoding="utf-8"))
+REPOSITORY = CONFIG["repository"]["url"].rstrip("/")
+GITHUB = urlparse(REPOSITORY).path.strip("/")  # owner/repo
+BRANCH = CONFIG["repository"].get("branch") or "main"
+COLAB = (CONFIG.get("launch_buttons") or {}).get("colab_url", "https://colab.research.google.com").rstrip("/")
+BINDERHUB = (CONFIG.get("launch_buttons") or {}).get("binderhub_url", "https://mybinder.org").rstrip("/")
+# the pages built from a notebook, which carry launch buttons: every page of the toc here
+LAUNCHABLE = [page for page in TOC_PAGES
+              if ((TOC.parent if TOC.is_file() else ROOT) / page).with_suffix(".ipynb").is_file()]
+LAUNCH_BUTTONS = """() => Object.fromEntries(Array.from(
+  document.querySelectorAll(".dropdown-launch-buttons a")).map(a => [a.textContent.trim(), a.href]))"""
+EXERCISES_SENTENCE = """(notebook) => {
+  const code = Array.from(document.querySelectorAll("main a code"))
+    .find(c => c.textContent.trim() === notebook);
+  return code ? Array.from(code.closest("p").querySelectorAll("a"))
+    .map(a => [a.textContent.trim(), a.href]) : null;
+}"""
+
+
+def opens_on_binder(link: str, notebook: str) -> bool:
+    """A Binder link that opens `notebook` of the configured repository and branch."""
+    parts = urlparse(link)
+    urlpath = parse_qs(parts.query).get("urlpath", [""])[0]
+    return (f"{parts.scheme}://{parts.netloc}{parts.path}" == f"{BINDERHUB}/v2/gh/{GITHUB}/{BRANCH}"
+            and urlpath in (f"tree/{notebook}", f"lab/tree/{notebook}"))
+
+
+def test_launch_links_come_from_a_github_repository():
+    assert urlparse(REPOSITORY).hostname == "github.com" and GITHUB.count("/") == 1, REPOSITORY
+    assert "book/ch00_stack.html" in LAUNCHABLE and "book/appendix_numbers.html" in LAUNCHABLE
+
+
+@pytest.mark.parametrize("relative", LAUNCHABLE)
+def test_launch_buttons_open_the_pages_own_notebook(visit, relative):
+    """Colab and Binder open this page's notebook from the configured repository and branch."""
+    buttons = visit(relative).page.evaluate(LAUNCH_BUTTONS)
+    notebook = Path(relative).with_suffix(".ipynb").as_posix()
+    assert buttons.get("Colab") == f"{COLAB}/github/{GITHUB}/blob/{BRANCH}/{notebook}", buttons
+    assert opens_on_binder(buttons.get("Binder", ""), notebook), buttons
+
+
+@pytest.mark.parametrize("relative", CHAPTERS)
+def test_launch_links_to_the_chapters_exercises_on_github(visit, relative):
+    notebook = f"exercises/{Path(relative).stem}.ipynb"
+    links = visit(relative).page.evaluate(EXERCISES_SENTENCE, notebook)
+    assert links is not None, f"{relative}: no link to {notebook}"
+    assert [notebook, f"{REPOSITORY}/blob/{BRANCH}/{notebook}"] in links, links
+
+
+@pytest.mark.parametrize("relative", CHAPTERS)
+def test_launch_links_open_the_chapters_exercises_in_colab_and_binder(visit, relative):
+    """The learner opens the exercises notebook in one click (infra_lab.book.exercise_statements)."""
+    notebook = f"exercises/{Path(relative).stem}.ipynb"
+    links = dict(visit(relative).page.evaluate(EXERCISES_SENTENCE, notebook) or [])
+    assert links.get("Colab") == f"{COLAB}/github/{GITHUB}/blob/{BRANCH}/{notebook}", links
+    assert opens_on_binder(links.get("Binder", ""), notebook), links
 
 
 def test_search_answers_offline(browser, site_url):
