@@ -6,6 +6,8 @@ prints where kernels run. `tidy` rewrites that cell and strips outputs for commi
 """
 from __future__ import annotations
 
+import importlib.metadata
+import json
 from pathlib import Path
 
 import nbformat
@@ -25,6 +27,17 @@ def repository_url(config_path: Path = REPO_ROOT / "_config.yml") -> str:
         return config["repository"]["url"].rstrip("/")
     except (KeyError, TypeError, AttributeError):
         raise ValueError(f"{config_path}: set repository.url, the book's one repository URL") from None
+
+
+def installed_from() -> str | None:
+    """The https repository this package was installed from (pip's record of a direct URL, PEP
+    610), as the setup cell installs it on Colab; None for any other install."""
+    try:
+        record = json.loads(importlib.metadata.distribution("infra-lab").read_text("direct_url.json") or "{}")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    url = record.get("url", "")
+    return url.removesuffix(".git").rstrip("/") if url.startswith("https://") and "vcs_info" in record else None
 
 
 def setup_cell_source(url: str) -> str:
@@ -64,18 +77,34 @@ def tidy(path: Path, url: str, write: bool = True) -> bool:
 
 
 def exercise_statements(stem: str, url: str | None = None,
-                        folder: Path = REPO_ROOT / "exercises") -> str:
+                        folder: Path = REPO_ROOT / "exercises", branch: str | None = None) -> str:
     """The chapter's exercises as Markdown for its page: each statement, its hint folded.
 
     The statements are the `## Exercise` cells of exercises/`stem`.ipynb (written from
     solutions/ by `infra-lab assign`, so no answer can leak). A paragraph that starts with
-    HINT_MARK folds under a "Hint" summary. Where the notebook is not at hand (a pip install),
-    only the link is given.
+    HINT_MARK folds under a "Hint" summary. The closing sentence links the notebook on GitHub
+    and, for a GitHub repository, opens it in Colab or on Binder as the page's launch buttons
+    do: the repository's `url` and `branch` come from _config.yml (branch main unless it says
+    otherwise). Where the notebook is not at hand (a pip install), only the sentence is given;
+    without _config.yml (a pip install, as on Colab) the repository is the one pip installed
+    the package from, and where that is unknown the sentence names the file without links.
     """
-    url = url or repository_url()
-    link = f"{url}/blob/main/exercises/{stem}.ipynb"
-    where = (f"Solve them in [`exercises/{stem}.ipynb`]({link}) and check yourself with "
-             f"`pytest --nbval-lax exercises/{stem}.ipynb`.")
+    config = REPO_ROOT / "_config.yml"
+    settings = (yaml.safe_load(config.read_text(encoding="utf-8")) or {}) if config.is_file() else {}
+    url = url or (repository_url(config) if settings else installed_from())
+    branch = branch or (settings.get("repository") or {}).get("branch") or "main"
+    launch, notebook = settings.get("launch_buttons") or {}, f"exercises/{stem}.ipynb"
+    if url is None:
+        where = f"Solve them in `{notebook}` of the book's repository, where their checks run."
+    else:
+        where = f"Solve them in [`{notebook}`]({url}/blob/{branch}/{notebook})"
+        if url.startswith("https://github.com/"):
+            github = url.removeprefix("https://github.com/")
+            colab = launch.get("colab_url", "https://colab.research.google.com").rstrip("/")
+            binder = launch.get("binderhub_url", "https://mybinder.org").rstrip("/")
+            where += (f" (open it in [Colab]({colab}/github/{github}/blob/{branch}/{notebook}) or on "
+                      f"[Binder]({binder}/v2/gh/{github}/{branch}?urlpath=tree/{notebook}))")
+        where += f" and check yourself with `pytest --nbval-lax {notebook}`."
     path = folder / f"{stem}.ipynb"
     if not folder.is_dir():
         return where
