@@ -7,6 +7,11 @@ kernel, so it renders the other face: every setting of the controls that have a 
 SVG, and switched by a few lines of JavaScript shipped inside the output. Numeric sliders stay
 live-only; the static face names them with the value they are fixed at, so nothing that needs a
 kernel looks live. Build-time sizes are capped so that an explorer adds about 2 MB at most.
+
+The live face runs on ipywidgets 7 and 8. Colab renders ipywidgets 7 (what its runtime ships)
+with its own widget manager; under ipywidgets 8 that manager shows nothing, so there the live
+face switches on Colab's custom widget manager and names it in the message's metadata, which
+is what that front end reads (`colab_metadata`). Elsewhere the metadata is empty.
 """
 from __future__ import annotations
 
@@ -14,9 +19,10 @@ import html
 import io
 import itertools
 import json
+import sys
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +35,7 @@ MAX_BYTES = 2_000_000  # all frames of one explorer, as stored in the page
 SCRIPT = (Path(__file__).parent / "explore.js").read_text(encoding="utf-8")
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 LABEL_STYLE = "margin:0 1.5em 0.3em 0;white-space:nowrap;display:inline-block"
+WIDGETS_MAJOR = int(widgets.__version__.split(".")[0])
 
 
 @dataclass(frozen=True)
@@ -142,22 +149,61 @@ def static_html(frames: dict[str, str], axes: Sequence[Axis],
     )
 
 
+@dataclass
+class Live:
+    """A live face built in this kernel: its widget, its controls and what it drew."""
+
+    view: widgets.VBox
+    controls: dict[str, widgets.ValueWidget]
+    draws: int = 0  # figures drawn into the output: one when built, one per change
+    drawn_with: dict[str, Any] = field(default_factory=dict)  # the values of the last draw
+
+
+LIVE: list[Live] = []  # every live face built in this kernel, newest last (drive one from Python)
+
+
 def live_view(draw: Callable[..., plt.Figure],
-              controls: dict[str, widgets.ValueWidget]) -> widgets.VBox:
+              controls: dict[str, widgets.ValueWidget]) -> Live:
     """The live face: the controls over an output that `draw` refills on every change."""
-    view = widgets.Output()
+    output = widgets.Output()
+    live = Live(widgets.VBox([*controls.values(), output]), controls)
 
     def redraw(change: object = None) -> None:
-        with view:
-            view.clear_output(wait=True)
-            figure = draw(**{name: control.value for name, control in controls.items()})
+        values = {name: control.value for name, control in controls.items()}
+        with output:
+            output.clear_output(wait=True)
+            figure = draw(**values)
             display(figure)
             plt.close(figure)
+        live.draws += 1
+        live.drawn_with = values
 
     for control in controls.values():
         control.observe(redraw, names="value")
     redraw()
-    return widgets.VBox([*controls.values(), view])
+    LIVE.append(live)
+    return live
+
+
+def colab_metadata() -> dict:
+    """The display metadata Colab's front end needs to render a widget view; {} elsewhere.
+
+    On Colab under ipywidgets 8 this switches on Colab's custom widget manager (once; the
+    call is Colab's own) and names its URL under the widget view's metadata, as Colab's
+    display hook would. Under ipywidgets 7 Colab's built-in manager renders the view as is.
+    """
+    colab = sys.modules.get("google.colab")
+    if colab is None or WIDGETS_MAJOR < 8:
+        return {}
+    from google.colab import output  # noqa: PLC0415 (Colab's runtime only)
+
+    url = getattr(getattr(output, "_widgets", None), "_installed_url", None)
+    if url is None:
+        output.enable_custom_widget_manager()
+        url = getattr(getattr(output, "_widgets", None), "_installed_url", None)
+    if url is None:
+        return {}
+    return {WIDGET_VIEW: {"colab": {"custom_widget_manager": {"url": url}}}}
 
 
 def explorer(draw: Callable[..., plt.Figure], **controls: widgets.ValueWidget) -> None:
@@ -180,6 +226,8 @@ def explorer(draw: Callable[..., plt.Figure], **controls: widgets.ValueWidget) -
     bundle = {
         "text/plain": f"Explorer over {', '.join(controls)} ({len(frames)} settings precomputed)",
         "text/html": static_html(frames, axes, fixed),
-        WIDGET_VIEW: {"version_major": 2, "version_minor": 0, "model_id": live.model_id},
+        WIDGET_VIEW: {"version_major": 2, "version_minor": 0, "model_id": live.view.model_id},
     }
-    display(bundle, raw=True)
+    # one display_data message with both faces: a front end with a widget manager shows the
+    # live one, the built page the static one
+    display(bundle, raw=True, metadata=colab_metadata())

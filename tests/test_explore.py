@@ -3,6 +3,8 @@ switched by the page's script; numeric sliders are named as fixed; budgets are e
 import html
 import json
 import re
+import sys
+import types
 
 import ipywidgets as widgets
 import matplotlib
@@ -117,10 +119,71 @@ def test_explorer_needs_a_control_with_options():
 
 def test_explorer_displays_both_faces(monkeypatch):
     shown = []
-    monkeypatch.setattr(explore, "display", lambda obj, raw=False: shown.append(obj))
+    monkeypatch.setattr(explore, "display", lambda obj, raw=False, metadata=None: shown.append(obj))
     explore.explorer(draw, batch=widgets.SelectionSlider(options=[1, 8], value=8),
                      seed=widgets.IntSlider(value=2))
     bundle = shown[-1]
     assert set(bundle) == {"text/plain", "text/html", explore.WIDGET_VIEW}
     assert len(frames_of(bundle["text/html"])) == 2
     assert bundle[explore.WIDGET_VIEW]["model_id"]
+
+
+def test_the_live_face_redraws_when_a_control_moves(monkeypatch):
+    monkeypatch.setattr(explore, "display", lambda *a, **k: None)
+    batch = widgets.SelectionSlider(options=[1, 8, 64], value=8)
+    seed = widgets.IntSlider(value=2, min=0, max=9)
+    explore.explorer(draw, batch=batch, seed=seed)
+    live = explore.LIVE[-1]
+    assert live.view.children[:2] == (batch, seed) and live.draws == 1
+    batch.value = 64
+    seed.value = 5
+    assert live.draws == 3 and live.drawn_with == {"batch": 64, "seed": 5}
+
+
+class FakeColabOutput(types.ModuleType):
+    """google.colab.output as far as widgets go: enable_custom_widget_manager sets the URL."""
+
+    def __init__(self):
+        super().__init__("google.colab.output")
+        self._widgets = types.SimpleNamespace(_installed_url=None)
+        self.enabled = 0
+
+    def enable_custom_widget_manager(self):
+        self.enabled += 1
+        self._widgets._installed_url = "https://ssl.gstatic.com/colaboratory-static/widgets/m.js"
+
+
+@pytest.fixture
+def on_colab(monkeypatch):
+    output = FakeColabOutput()
+    colab = types.ModuleType("google.colab")
+    colab.output = output
+    monkeypatch.setitem(sys.modules, "google.colab", colab)
+    monkeypatch.setitem(sys.modules, "google.colab.output", output)
+    return output
+
+
+def shown_metadata(monkeypatch):
+    shown = []
+    monkeypatch.setattr(explore, "display",
+                        lambda obj, raw=False, metadata=None: shown.append((obj, metadata)))
+    explore.explorer(draw, batch=widgets.SelectionSlider(options=[1, 8], value=8))
+    return shown[-1]
+
+
+def test_on_colab_under_ipywidgets_8_the_view_names_colabs_widget_manager(monkeypatch, on_colab):
+    monkeypatch.setattr(explore, "WIDGETS_MAJOR", 8)
+    bundle, metadata = shown_metadata(monkeypatch)
+    assert bundle[explore.WIDGET_VIEW]["model_id"]
+    url = metadata[explore.WIDGET_VIEW]["colab"]["custom_widget_manager"]["url"]
+    assert url == on_colab._widgets._installed_url and on_colab.enabled == 1
+    shown_metadata(monkeypatch)
+    assert on_colab.enabled == 1  # switched on once per kernel
+
+
+def test_on_colab_under_ipywidgets_7_and_off_colab_nothing_is_switched_on(monkeypatch, on_colab):
+    monkeypatch.setattr(explore, "WIDGETS_MAJOR", 7)
+    assert shown_metadata(monkeypatch)[1] == {} and on_colab.enabled == 0
+    monkeypatch.delitem(sys.modules, "google.colab")
+    monkeypatch.setattr(explore, "WIDGETS_MAJOR", 8)
+    assert shown_metadata(monkeypatch)[1] == {} and on_colab.enabled == 0
