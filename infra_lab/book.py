@@ -6,13 +6,12 @@ prints where kernels run. `tidy` rewrites that cell and strips outputs for commi
 """
 from __future__ import annotations
 
-import importlib.metadata
-import json
 from pathlib import Path
 
 import nbformat
 import yaml
 
+from infra_lab import origin
 from infra_lab.grading import notebooks
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -29,15 +28,10 @@ def repository_url(config_path: Path = REPO_ROOT / "_config.yml") -> str:
         raise ValueError(f"{config_path}: set repository.url, the book's one repository URL") from None
 
 
-def installed_from() -> str | None:
-    """The https repository this package was installed from (pip's record of a direct URL, PEP
-    610), as the setup cell installs it on Colab; None for any other install."""
-    try:
-        record = json.loads(importlib.metadata.distribution("infra-lab").read_text("direct_url.json") or "{}")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    url = record.get("url", "")
-    return url.removesuffix(".git").rstrip("/") if url.startswith("https://") and "vcs_info" in record else None
+def github_origin() -> str | None:
+    """The https repository pip installed this package from (as the setup cell does), or None."""
+    installed = origin.installed_from()
+    return installed.url if installed and installed.url.startswith("https://") else None
 
 
 def setup_cell_source(url: str) -> str:
@@ -91,7 +85,7 @@ def exercise_statements(stem: str, url: str | None = None,
     """
     config = REPO_ROOT / "_config.yml"
     settings = (yaml.safe_load(config.read_text(encoding="utf-8")) or {}) if config.is_file() else {}
-    url = url or (repository_url(config) if settings else installed_from())
+    url = url or (repository_url(config) if settings else github_origin())
     branch = branch or (settings.get("repository") or {}).get("branch") or "main"
     launch, notebook = settings.get("launch_buttons") or {}, f"exercises/{stem}.ipynb"
     if url is None:

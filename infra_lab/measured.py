@@ -2,26 +2,34 @@
 
 A chapter built on a CPU shows what an H200 measured, labelled with the machine and the date,
 and times live when a GPU is present. Each file names its `machine`, `measured_on` and the
-`command` that produced it. A pip-installed package (Colab) has no benchmarks/ folder; `load`
-then returns None and the chapter says where the figures live.
+`command` that produced it. A pip-installed package has no benchmarks/ folder beside it: where
+pip installed it from a git repository (as every chapter's setup cell does on Colab), `load`
+reads the file of that repository at that commit (infra_lab.origin); elsewhere it returns None
+and the chapter says where the figures live.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from infra_lab import origin
+
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 REQUIRED = ("machine", "measured_on", "command")
 
 
-def load(name: str, folder: Path = RESULTS) -> dict | None:
-    """The results file `name` (without .json), or None where the repository is not at hand."""
-    path = folder / f"{name}.json"
-    if not folder.is_dir():
-        return None
-    if not path.is_file():
-        known = sorted(p.stem for p in folder.glob("*.json"))
-        raise ValueError(f"no results named {name!r} in {folder}; there are {known}")
+def load(name: str, folder: Path | None = None) -> dict | None:
+    """The results file `name` (without .json) from `folder` (benchmarks/results/ beside the
+    package, else that of the repository the package was installed from), or None where
+    neither is at hand."""
+    path = (folder or RESULTS) / f"{name}.json"
+    if not path.parent.is_dir():
+        path = None if folder else origin.repository_file(f"benchmarks/results/{name}.json")
+        if path is None:
+            return None
+    elif not path.is_file():
+        known = sorted(p.stem for p in path.parent.glob("*.json"))
+        raise ValueError(f"no results named {name!r} in {path.parent}; there are {known}")
     results = json.loads(path.read_text(encoding="utf-8"))
     missing = [key for key in REQUIRED if key not in results]
     if missing:

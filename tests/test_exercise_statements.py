@@ -4,7 +4,7 @@ import json
 import nbformat
 import pytest
 
-from infra_lab import book
+from infra_lab import book, origin
 from infra_lab.grading import notebooks
 
 
@@ -87,13 +87,13 @@ def test_a_pip_install_from_github_links_the_repository_it_came_from(tmp_path, m
     """The setup cell installs from git: pip records the URL (PEP 610), and the links follow it."""
     monkeypatch.setattr(book, "REPO_ROOT", tmp_path)
     record = {"url": "https://github.com/fork/book.git", "vcs_info": {"vcs": "git", "commit_id": "0" * 40}}
-    monkeypatch.setattr(book.importlib.metadata, "distribution", lambda name: Installed(record))
+    monkeypatch.setattr(origin.importlib.metadata, "distribution", lambda name: Installed(record))
     text = book.exercise_statements("ch99_test", folder=tmp_path / "absent")
     assert "(https://colab.research.google.com/github/fork/book/blob/main/exercises/ch99_test.ipynb)" in text
     for elsewhere in ({"url": "file:///home/me/book", "dir_info": {"editable": True}},
                       {"url": "file:///tmp/clone", "vcs_info": {"vcs": "git"}}):
-        monkeypatch.setattr(book.importlib.metadata, "distribution", lambda name, r=elsewhere: Installed(r))
-        assert book.installed_from() is None
+        monkeypatch.setattr(origin.importlib.metadata, "distribution", lambda name, r=elsewhere: Installed(r))
+        assert book.github_origin() is None
 
 
 def test_a_notebook_without_exercises_is_named(tmp_path):
