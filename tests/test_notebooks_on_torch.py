@@ -1,8 +1,11 @@
 """Every chapter notebook also runs with INFRA_LAB_BACKEND=torch: the path a Colab GPU takes,
 here on torch's CPU build. The book build has run each chapter at full size on numba already
 (the page); this run proves that the torch face of every cell works, so it runs at quick sizes
-(INFRA_LAB_QUICK=1, infra_lab.sizes), and its first line says so. The solution notebooks take
-the same path when test_grade_chapters.py grades them (torch, quick sizes, full marks)."""
+(INFRA_LAB_QUICK=1, infra_lab.sizes), and its first line says so. After each explorer, every
+control is moved from Python and the live face must redraw (tests/_explorers.py), on this
+repository's ipywidgets (the newest 8); test_colab_runtime.py does the same on Colab's 7.7.1.
+The solution notebooks take the same path when test_grade_chapters.py grades them (torch, quick
+sizes, full marks)."""
 import datetime
 import json
 import sys
@@ -12,6 +15,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from _explorers import driven, with_drive_cells
 from conftest import ON_TORCH
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,6 +35,7 @@ def test_notebook_runs_on_the_torch_backend(relative, monkeypatch):
     for name, value in ON_TORCH.items():
         monkeypatch.setenv(name, value)
     notebook = nbformat.read(ROOT / relative, as_version=4)
+    explorers = with_drive_cells(notebook)
     steps = Steps()
     client = PatientClient(notebook, timeout=300, kernel_name="python3",
                            resources={"metadata": {"path": str((ROOT / relative).parent)}},
@@ -43,6 +48,8 @@ def test_notebook_runs_on_the_torch_backend(relative, monkeypatch):
     first = next(cell for cell in notebook.cells if cell.cell_type == "code")
     said = first.outputs[0]["text"]
     assert "infra_lab backend: torch on cpu" in said and "quick sizes" in said
+    lines = driven(notebook)
+    assert len(lines) == explorers and all("ipywidgets 8." in line for line in lines), lines
 
 
 def cell_seconds(cell) -> float:

@@ -485,7 +485,8 @@ def phone_visit(browser, site_url):
 
 @pytest.mark.parametrize("relative", TOC_PAGES)
 def test_figure_text_stays_legible_on_a_phone(phone_visit, relative):
-    small = [f"{f['alt']!r} at {f['shown'] / f['natural']:.0%}" for f in phone_visit(relative).page.evaluate(FIGURE_SCALES)
+    scales = phone_visit(relative).page.evaluate(FIGURE_SCALES)
+    small = [f"{f['alt']!r} at {f['shown'] / f['natural']:.0%}" for f in scales
              if f["shown"] / f["natural"] * FIGURE_TEXT_PX < SMALLEST_TEXT_PX]
     assert small == [], f"{relative} at 390 px: figures whose 9 pt text shows below {SMALLEST_TEXT_PX} px: {small}"
 
