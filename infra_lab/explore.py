@@ -170,13 +170,13 @@ def live_view(draw: Callable[..., plt.Figure],
 
     def redraw(change: object = None) -> None:
         values = {name: control.value for name, control in controls.items()}
-        with output:
+        with output:  # under IPython, Output shows a failed draw's traceback and swallows it
             output.clear_output(wait=True)
             figure = draw(**values)
             display(figure)
             plt.close(figure)
-        live.draws += 1
-        live.drawn_with = values
+            live.draws += 1  # so a draw counts only once its figure is shown
+            live.drawn_with = values
 
     for control in controls.values():
         control.observe(redraw, names="value")

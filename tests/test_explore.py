@@ -140,6 +140,21 @@ def test_the_live_face_redraws_when_a_control_moves(monkeypatch):
     assert live.draws == 3 and live.drawn_with == {"batch": 64, "seed": 5}
 
 
+def test_a_draw_that_fails_does_not_count_as_a_redraw(monkeypatch):
+    monkeypatch.setattr(explore, "display", lambda *a, **k: None)
+
+    def fragile(batch, seed):  # numeric sliders are live-only: the static face draws seed 2
+        if seed == 5:
+            raise ValueError("no figure for seed 5")
+        return draw(batch, seed=seed)
+    seed = widgets.IntSlider(value=2, min=0, max=9)
+    explore.explorer(fragile, batch=widgets.SelectionSlider(options=[1, 8], value=8), seed=seed)
+    live = explore.LIVE[-1]
+    with pytest.raises(ValueError, match="no figure for seed 5"):  # IPython's Output swallows it
+        seed.value = 5
+    assert live.draws == 1 and live.drawn_with == {"batch": 8, "seed": 2}
+
+
 class FakeColabOutput(types.ModuleType):
     """google.colab.output as far as widgets go: enable_custom_widget_manager sets the URL."""
 
