@@ -19,6 +19,7 @@ import numba
 import numpy as np
 
 from infra_lab import backend
+from infra_lab.cache import cache_dir
 
 TERA = 1e12
 GB = 1e9  # datasheets' GB and TB/s are decimal
@@ -351,12 +352,6 @@ def _fingerprint(target: str) -> str:
 
         parts.append(torch.cuda.get_device_name(0))
     return hashlib.sha1(json.dumps(parts).encode()).hexdigest()[:16]
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("INFRA_LAB_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "infra_lab")
-    return Path(base)
 
 
 def measure(target: str | None = None, refresh: bool = False, progress: bool = True) -> Device:

